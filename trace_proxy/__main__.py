@@ -1,0 +1,5 @@
+import sys
+
+from trace_proxy.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""Capture: turns exchanges copied off the hot path into calls, keys and step events."""

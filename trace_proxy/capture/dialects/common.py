@@ -1,0 +1,250 @@
+"""Pieces every dialect parser shares: the call skeleton, errors, streams, logprobs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.redact import recorded_headers
+from trace_proxy.capture.sse import iter_data
+from trace_proxy.trajectories.record import CallError, GenerateCall, Output
+
+# Request fields that are content or transport, not sampling parameters.
+NON_SAMPLING_FIELDS = frozenset(
+    {
+        "messages", "prompt", "tools", "tool_choice", "model", "stream", "stream_options",
+        "token_ids", "input_ids", "text", "sampling_params", "rid", "request_id", "user",
+        "metadata", "session_id", "return_token_ids", "return_logprob", "chat_template",
+        "chat_template_kwargs", "image_data", "video_data", "audio_data", "input_embeds",
+        "lora_path", "lora_name", "extra_body", "return_prompt_token_ids", "output_mode",
+    }
+)  # fmt: skip
+MAX_ERROR_MESSAGE = 2000
+
+
+class ParseError(ValueError):
+    """The body is not what the dialect expects; the call is recorded as unparsed."""
+
+
+@dataclass(slots=True)
+class ParsedCall:
+    """A call plus the request fields that body mapping rules may read (per batch item)."""
+
+    call: GenerateCall
+    body: Mapping[str, Any]
+
+
+def new_call(ex: Exchange, dialect: str, request: Mapping[str, Any]) -> GenerateCall:
+    return GenerateCall(
+        index=-1,
+        dialect=dialect,
+        route=ex.path,
+        upstream=ex.upstream,
+        start=ex.start,
+        end=ex.end,
+        first_byte=ex.first_byte,
+        http_status=ex.status,
+        stream=bool(request.get("stream")),
+        model=request.get("model") if isinstance(request.get("model"), str) else None,
+        sampling={k: v for k, v in request.items() if k not in NON_SAMPLING_FIELDS},
+        request_headers=recorded_headers(ex.request_headers.items()),
+    )
+
+
+def exchange_error(ex: Exchange) -> CallError | None:
+    """The transport failure, if any: upstream down, timeout, client gone."""
+    if ex.error is not None:
+        return CallError(type="transport", message=ex.error)
+    return None
+
+
+def http_error(status: int | None, body: Any) -> CallError | None:
+    """vLLM and SGLang error bodies: {"error": {...}} / {"error": "..."} / {"message": ...}."""
+    if status is None or status < 400:
+        return None
+    message: Any = None
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        message = err.get("message", err) if isinstance(err, dict) else err
+        if message is None:
+            message = body.get("message") or body.get("detail")
+    elif isinstance(body, (bytes, str)):
+        message = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    text = message if isinstance(message, str) else orjson.dumps(message).decode()
+    return CallError(type=f"http_{status}", message=text[:MAX_ERROR_MESSAGE])
+
+
+def stream_error(event: Mapping[str, Any]) -> CallError:
+    err = event.get("error")
+    if isinstance(err, dict):
+        kind = str(err.get("type") or "stream_error")
+        message = err.get("message")
+        return CallError(type=kind, message=str(message)[:MAX_ERROR_MESSAGE])
+    return CallError(type="stream_error", message=str(err)[:MAX_ERROR_MESSAGE])
+
+
+def load_json(body: bytes) -> Any:
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise ParseError(f"response is not JSON: {exc}") from None
+
+
+def stream_events(ex: Exchange) -> Iterator[dict[str, Any]]:
+    """Decoded `data:` events of a streamed response, stopping at `[DONE]`."""
+    for payload in iter_data(ex.response_body):
+        if payload.strip() == b"[DONE]":
+            return
+        try:
+            event = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise ParseError(f"stream event is not JSON: {exc}") from None
+        if isinstance(event, dict):
+            yield event
+
+
+def chosen_logprobs(logprobs: Any) -> list[float] | None:
+    """The sampled tokens' logprobs from any of the OpenAI/vLLM shapes."""
+    if not isinstance(logprobs, dict):
+        return None
+    content = logprobs.get("content")
+    if isinstance(content, list):
+        return [float(item["logprob"]) for item in content if isinstance(item, dict)]
+    token_logprobs = logprobs.get("token_logprobs")
+    if isinstance(token_logprobs, list):
+        return [float(v) if v is not None else float("nan") for v in token_logprobs]
+    return None
+
+
+def normalize_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
+    """OpenAI tool calls in one shape: {id, type, function: {name, arguments}}."""
+    if not isinstance(calls, list) or not calls:
+        return None
+    normal = []
+    for call in calls:
+        if not isinstance(call, dict):
+            continue
+        fn = call.get("function") or {}
+        normal.append(
+            {
+                "id": call.get("id"),
+                "type": call.get("type") or "function",
+                "function": {"name": fn.get("name"), "arguments": fn.get("arguments") or ""},
+            }
+        )
+    return normal or None
+
+
+def outputs_by_index(outputs: dict[int, Output]) -> list[Output]:
+    return [outputs[i] for i in sorted(outputs)]
+
+
+def as_int_list(value: Any) -> list[int] | None:
+    if isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return value
+    return None
+
+
+class ChoiceStream:
+    """Rebuilds per-choice outputs from streamed deltas, so a stream yields the record the
+    non-streamed response would have: text and token ids concatenated, tool-call fragments merged
+    by index, the last non-null finish reason kept."""
+
+    def __init__(self) -> None:
+        self._text: dict[int, list[str]] = {}
+        self._reasoning: dict[int, list[str]] = {}
+        self._ids: dict[int, list[int]] = {}
+        self._logprobs: dict[int, list[float]] = {}
+        self._tools: dict[int, dict[int, dict[str, Any]]] = {}
+        self._finish: dict[int, Any] = {}
+        self._stop: dict[int, Any] = {}
+        self.prompt_token_ids: dict[int, list[int]] = {}
+
+    def add(self, choice: Mapping[str, Any], text: Any, reasoning: Any = None) -> None:
+        index = int(choice.get("index") or 0)
+        self._text.setdefault(index, [])
+        if isinstance(text, str) and text:
+            self._text[index].append(text)
+        if isinstance(reasoning, str) and reasoning:
+            self._reasoning.setdefault(index, []).append(reasoning)
+        ids = as_int_list(choice.get("token_ids"))
+        if ids:
+            self._ids.setdefault(index, []).extend(ids)
+        prompt_ids = as_int_list(choice.get("prompt_token_ids"))
+        if prompt_ids is not None and index not in self.prompt_token_ids:
+            self.prompt_token_ids[index] = prompt_ids
+        logprobs = chosen_logprobs(choice.get("logprobs"))
+        if logprobs:
+            self._logprobs.setdefault(index, []).extend(logprobs)
+        if choice.get("finish_reason") is not None:
+            self._finish[index] = choice["finish_reason"]
+        stop = choice.get("stop_reason")
+        if stop is None:
+            stop = choice.get("matched_stop")  # SGLang's name for it
+        if stop is not None:
+            self._stop[index] = stop
+
+    def add_tool_fragments(self, index: int, fragments: Any) -> None:
+        if not isinstance(fragments, list):
+            return
+        calls = self._tools.setdefault(index, {})
+        for fragment in fragments:
+            if not isinstance(fragment, dict):
+                continue
+            entry = calls.setdefault(
+                int(fragment.get("index") or 0),
+                {"id": None, "type": "function", "function": {"name": None, "arguments": ""}},
+            )
+            if fragment.get("id"):
+                entry["id"] = fragment["id"]
+            if fragment.get("type"):
+                entry["type"] = fragment["type"]
+            fn = fragment.get("function") or {}
+            if fn.get("name"):
+                entry["function"]["name"] = fn["name"]
+            if fn.get("arguments"):
+                entry["function"]["arguments"] += fn["arguments"]
+
+    def outputs(self) -> list[Output]:
+        indexes = sorted(set(self._text) | set(self._ids) | set(self._finish) | set(self._tools))
+        return [
+            Output(
+                index=i,
+                text="".join(self._text.get(i, [])) or None,
+                token_ids=self._ids.get(i),
+                logprobs=self._logprobs.get(i),
+                finish_reason=self._finish.get(i),
+                stop_reason=self._stop.get(i),
+                tool_calls=normalize_tool_calls(
+                    [self._tools[i][k] for k in sorted(self._tools[i])]
+                    if i in self._tools
+                    else None
+                ),
+                reasoning="".join(self._reasoning.get(i, [])) or None,
+            )
+            for i in indexes
+        ]
+
+
+def fill_response(call: GenerateCall, ex: Exchange) -> Any:
+    """Set errors common to every dialect; return the decoded JSON body of a non-stream 2xx
+    response, or None when there is nothing more to read (error, stream handled by caller)."""
+    call.error = exchange_error(ex)
+    if ex.status is None:
+        return None
+    if ex.status >= 400:
+        try:
+            body: Any = orjson.loads(ex.response_body)
+        except orjson.JSONDecodeError:
+            body = ex.response_body[:MAX_ERROR_MESSAGE]
+        call.error = call.error or http_error(ex.status, body)
+        return None
+    if ex.is_event_stream:
+        return None
+    return load_json(ex.response_body)

@@ -1,0 +1,105 @@
+"""OpenAI chat completions as vLLM and SGLang serve them (`POST /v1/chat/completions`).
+
+vLLM puts `prompt_token_ids` at the top level and `token_ids` in each choice; SGLang puts
+`prompt_token_ids` / `response_token_ids` in each choice and reports `matched_stop`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from trace_proxy.capture.dialects.common import (
+    ChoiceStream,
+    ParsedCall,
+    ParseError,
+    as_int_list,
+    chosen_logprobs,
+    fill_response,
+    new_call,
+    normalize_tool_calls,
+    stream_error,
+    stream_events,
+)
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.record import GenerateCall, Output
+
+NAME = "openai.chat"
+ROUTES = ("/v1/chat/completions",)
+
+
+def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
+    messages = request.get("messages")
+    if not isinstance(messages, list):
+        raise ParseError("request has no 'messages' list")
+    call = new_call(ex, NAME, request)
+    call.prompt.messages = messages
+    call.prompt.tools = request.get("tools") or None
+    body = fill_response(call, ex)
+    if body is not None:
+        _from_response(call, body)
+    elif ex.is_event_stream and ex.status is not None and ex.status < 400:
+        _from_stream(call, ex)
+    return [ParsedCall(call, request)]
+
+
+def _from_response(call: GenerateCall, body: Any) -> None:
+    if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+        raise ParseError("response has no 'choices' list")
+    call.request_id = body.get("id")
+    call.model = body.get("model") or call.model
+    call.usage = body.get("usage")
+    call.prompt.token_ids = as_int_list(body.get("prompt_token_ids"))
+    for choice in body["choices"]:
+        message = choice.get("message") or {}
+        if call.prompt.token_ids is None:
+            call.prompt.token_ids = as_int_list(choice.get("prompt_token_ids"))
+        call.outputs.append(
+            Output(
+                index=int(choice.get("index") or 0),
+                text=message.get("content") or None,
+                token_ids=as_int_list(choice.get("token_ids"))
+                or as_int_list(choice.get("response_token_ids")),
+                logprobs=chosen_logprobs(choice.get("logprobs")),
+                finish_reason=choice.get("finish_reason"),
+                stop_reason=choice.get("stop_reason", choice.get("matched_stop")),
+                tool_calls=normalize_tool_calls(message.get("tool_calls")),
+                reasoning=message.get("reasoning") or message.get("reasoning_content") or None,
+            )
+        )
+        call.weight_version = call.weight_version or _weight_version(choice)
+
+
+def _from_stream(call: GenerateCall, ex: Exchange) -> None:
+    merged = ChoiceStream()
+    for event in stream_events(ex):
+        if "error" in event and "choices" not in event:
+            call.error = stream_error(event)
+            continue
+        call.request_id = call.request_id or event.get("id")
+        call.model = event.get("model") or call.model
+        if call.prompt.token_ids is None:
+            call.prompt.token_ids = as_int_list(event.get("prompt_token_ids"))
+        if event.get("usage"):
+            call.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            delta = choice.get("delta") or {}
+            merged.add(
+                choice,
+                delta.get("content"),
+                delta.get("reasoning") or delta.get("reasoning_content"),
+            )
+            merged.add_tool_fragments(int(choice.get("index") or 0), delta.get("tool_calls"))
+            call.weight_version = call.weight_version or _weight_version(choice)
+    call.outputs = merged.outputs()
+    if call.prompt.token_ids is None and merged.prompt_token_ids:
+        call.prompt.token_ids = merged.prompt_token_ids[min(merged.prompt_token_ids)]
+
+
+def _weight_version(choice: Mapping[str, Any]) -> str | None:
+    versions = choice.get("weight_versions")
+    if isinstance(versions, list) and versions:
+        return str(versions[-1])
+    if isinstance(versions, (str, int)):
+        return str(versions)
+    return None

@@ -1,0 +1,110 @@
+"""OpenAI completions as vLLM and SGLang serve them (`POST /v1/completions`).
+
+`prompt` is a string, token ids, or a batch of either; choice `index` is prompt * n + sample,
+so a batch becomes one call per prompt, each with its n outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from trace_proxy.capture.dialects.common import (
+    ChoiceStream,
+    ParsedCall,
+    ParseError,
+    as_int_list,
+    chosen_logprobs,
+    fill_response,
+    new_call,
+    stream_error,
+    stream_events,
+)
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.record import Output, Prompt
+
+NAME = "openai.completions"
+ROUTES = ("/v1/completions",)
+
+
+def _prompts(request: Mapping[str, Any]) -> list[Prompt]:
+    prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        return [Prompt(text=prompt)]
+    ids = as_int_list(prompt)
+    if ids is not None and prompt:
+        return [Prompt(token_ids=ids)]
+    if isinstance(prompt, list) and prompt:
+        batch = []
+        for item in prompt:
+            if isinstance(item, str):
+                batch.append(Prompt(text=item))
+            elif (item_ids := as_int_list(item)) is not None:
+                batch.append(Prompt(token_ids=item_ids))
+            else:
+                raise ParseError("'prompt' batch items must be strings or token-id lists")
+        return batch
+    raise ParseError("request has no usable 'prompt'")
+
+
+def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
+    prompts = _prompts(request)
+    n_requested = request.get("n")
+    n = n_requested if isinstance(n_requested, int) and n_requested > 0 else 1
+    calls = []
+    for prompt in prompts:
+        call = new_call(ex, NAME, request)
+        call.prompt = prompt
+        calls.append(call)
+    body = fill_response(calls[0], ex)
+    for call in calls[1:]:
+        call.error = calls[0].error
+    outputs: list[Output] = []
+    prompt_ids: dict[int, list[int]] = {}
+    if body is not None:
+        if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+            raise ParseError("response has no 'choices' list")
+        for call in calls:
+            call.request_id = body.get("id")
+            call.model = body.get("model") or call.model
+            call.usage = body.get("usage") if len(calls) == 1 else None
+        for choice in body["choices"]:
+            index = int(choice.get("index") or 0)
+            outputs.append(
+                Output(
+                    index=index,
+                    text=choice.get("text") or None,
+                    token_ids=as_int_list(choice.get("token_ids")),
+                    logprobs=chosen_logprobs(choice.get("logprobs")),
+                    finish_reason=choice.get("finish_reason"),
+                    stop_reason=choice.get("stop_reason", choice.get("matched_stop")),
+                )
+            )
+            if (ids := as_int_list(choice.get("prompt_token_ids"))) is not None:
+                prompt_ids[index] = ids
+    elif ex.is_event_stream and ex.status is not None and ex.status < 400:
+        merged = ChoiceStream()
+        for event in stream_events(ex):
+            if "error" in event and "choices" not in event:
+                for call in calls:
+                    call.error = stream_error(event)
+                continue
+            for call in calls:
+                call.request_id = call.request_id or event.get("id")
+                call.model = event.get("model") or call.model
+                if event.get("usage") and len(calls) == 1:
+                    call.usage = event["usage"]
+            for choice in event.get("choices") or ():
+                merged.add(choice, choice.get("text"))
+        outputs = merged.outputs()
+        prompt_ids = merged.prompt_token_ids
+    for output in outputs:
+        owner, sample = divmod(output.index, n)
+        if owner < len(calls):
+            output.index = sample
+            calls[owner].outputs.append(output)
+    for index, ids in prompt_ids.items():
+        owner = index // n
+        if owner < len(calls) and calls[owner].prompt.token_ids is None:
+            calls[owner].prompt.token_ids = ids
+    return [ParsedCall(call, request) for call in calls]

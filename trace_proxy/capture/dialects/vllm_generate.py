@@ -1,0 +1,69 @@
+"""vLLM's token-in/token-out route (`POST /inference/v1/generate`), used by SkyRL.
+
+Request `token_ids` + `sampling_params`; response `choices[].token_ids`, top-level
+`prompt_token_ids`; streamed as per-chunk token deltas with the prompt in the first chunk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from trace_proxy.capture.dialects.common import (
+    ChoiceStream,
+    ParsedCall,
+    ParseError,
+    as_int_list,
+    chosen_logprobs,
+    fill_response,
+    new_call,
+    stream_error,
+    stream_events,
+)
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.record import Output
+
+NAME = "vllm.generate"
+ROUTES = ("/inference/v1/generate",)
+
+
+def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
+    token_ids = as_int_list(request.get("token_ids"))
+    if token_ids is None:
+        raise ParseError("request has no 'token_ids' list")
+    call = new_call(ex, NAME, request)
+    params = request.get("sampling_params")
+    if isinstance(params, dict):
+        call.sampling.update(params)
+    call.prompt.token_ids = token_ids
+    body = fill_response(call, ex)
+    if body is not None:
+        if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
+            raise ParseError("response has no 'choices' list")
+        call.request_id = body.get("request_id")
+        call.model = body.get("model") or call.model
+        call.usage = body.get("usage")
+        for choice in body["choices"]:
+            call.outputs.append(
+                Output(
+                    index=int(choice.get("index") or 0),
+                    token_ids=as_int_list(choice.get("token_ids")),
+                    logprobs=chosen_logprobs(choice.get("logprobs")),
+                    finish_reason=choice.get("finish_reason"),
+                    stop_reason=choice.get("stop_reason"),
+                )
+            )
+    elif ex.is_event_stream and ex.status is not None and ex.status < 400:
+        merged = ChoiceStream()
+        for event in stream_events(ex):
+            if "error" in event and "choices" not in event:
+                call.error = stream_error(event)
+                continue
+            call.request_id = call.request_id or event.get("request_id")
+            call.model = event.get("model") or call.model
+            if event.get("usage"):
+                call.usage = event["usage"]
+            for choice in event.get("choices") or ():
+                merged.add(choice, None)
+        call.outputs = merged.outputs()
+    return [ParsedCall(call, request)]

@@ -1,0 +1,40 @@
+"""What the hot path hands to capture: copies of one request/response and its timings.
+
+The forwarder fills this in as bytes pass by and submits it once the response is finished;
+nothing in here is parsed until the capture stage picks it up, off the forwarding path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from multidict import CIMultiDictProxy
+
+
+@dataclass(slots=True)
+class Exchange:
+    method: str
+    path: str  # as forwarded (rollout prefix removed), without the query string
+    query: str
+    request_headers: CIMultiDictProxy[str]
+    path_metadata: list[tuple[str, str]]
+    upstream: str
+    start: float
+    request_body: bytes = b""
+    status: int | None = None
+    response_headers: CIMultiDictProxy[str] | None = None
+    response_chunks: list[bytes] = field(default_factory=list)
+    first_byte: float | None = None
+    end: float | None = None
+    error: str | None = None  # why the exchange did not complete normally
+
+    @property
+    def response_body(self) -> bytes:
+        return b"".join(self.response_chunks)
+
+    @property
+    def is_event_stream(self) -> bool:
+        if self.response_headers is None:
+            return False
+        ctype = self.response_headers.get("Content-Type", "")
+        return ctype.startswith("text/event-stream")

@@ -1,0 +1,229 @@
+"""Where a call belongs: trajectory key fields from headers, baggage, a path prefix, or mappings.
+
+Sources are tried in a fixed order and the first valid value of each field wins:
+  1. `X-Rollout-*` headers,
+  2. the W3C `baggage` header (`rollout.*` keys),
+  3. the URL path prefix `/rollout/<field>=<value>/...` (removed before forwarding),
+  4. mapping rules over what clients already send (`header:X-Session-ID=trajectory_id`,
+     `body:rid=/^(?P<trajectory_id>.+)-\\d+$/`, ...).
+A malformed value never fails the request: it becomes an annotation on the record and the field
+falls through to the next source.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import unquote
+
+FIELDS = (
+    "project",
+    "experiment",
+    "step",
+    "sample_index",
+    "rollout_n",
+    "validate",
+    "trajectory_id",
+    "done",
+)
+HEADER_PREFIX = "X-Rollout-"
+HEADER_NAMES = {f: HEADER_PREFIX + "-".join(p.capitalize() for p in f.split("_")) for f in FIELDS}
+BAGGAGE_PREFIX = "rollout."
+PATH_PREFIX = "/rollout/"
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+MAX_VALUE_LEN = 256
+
+
+def _name(value: str) -> str:
+    if not value or len(value) > MAX_VALUE_LEN or any(c in value for c in "\r\n\t"):
+        raise ValueError(f"expected 1-{MAX_VALUE_LEN} printable characters")
+    return value
+
+
+def _count(value: str) -> int:
+    if not value.isdigit():
+        raise ValueError("expected a non-negative integer")
+    return int(value)
+
+
+def _flag(value: str) -> bool:
+    lowered = value.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ValueError("expected true or false")
+
+
+PARSERS: dict[str, Callable[[str], Any]] = {
+    "project": _name,
+    "experiment": _name,
+    "step": _count,
+    "sample_index": _count,
+    "rollout_n": _count,
+    "validate": _flag,
+    "trajectory_id": _name,
+    "done": _flag,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class MappingRule:
+    """`SOURCE:NAME=FIELD` or `SOURCE:NAME=/REGEX/` (named groups are fields)."""
+
+    text: str
+    source: str  # "header" | "body"
+    name: str
+    field: str | None
+    pattern: re.Pattern[str] | None
+
+    def extract(self, value: str) -> dict[str, str]:
+        if self.field is not None:
+            return {self.field: value}
+        assert self.pattern is not None
+        match = self.pattern.search(value)
+        if match is None:
+            return {}
+        return {k: v for k, v in match.groupdict().items() if v is not None}
+
+
+def parse_mapping(text: str) -> MappingRule:
+    source, sep, rest = text.partition(":")
+    name, eq, target = rest.partition("=")
+    if not sep or not eq or source not in ("header", "body") or not name:
+        raise ValueError(f"{text!r} is not SOURCE:NAME=FIELD or SOURCE:NAME=/REGEX/")
+    if len(target) >= 2 and target.startswith("/") and target.endswith("/"):
+        try:
+            pattern = re.compile(target[1:-1])
+        except re.error as exc:
+            raise ValueError(f"bad regular expression in {text!r}: {exc}") from None
+        unknown = set(pattern.groupindex) - set(FIELDS)
+        if not pattern.groupindex or unknown:
+            raise ValueError(f"{text!r}: named groups must be key fields ({', '.join(FIELDS)})")
+        return MappingRule(text, source, name, None, pattern)
+    if target not in FIELDS:
+        raise ValueError(f"{text!r}: {target!r} is not a key field ({', '.join(FIELDS)})")
+    return MappingRule(text, source, name, target, None)
+
+
+@dataclass(slots=True)
+class KeyHints:
+    """Key fields found for one call, where each came from, and what was malformed."""
+
+    values: dict[str, Any] = field(default_factory=dict)
+    sources: dict[str, str] = field(default_factory=dict)
+    annotations: list[dict[str, str]] = field(default_factory=list)
+
+    def offer(self, name: str, raw: str, source: str) -> None:
+        if name in self.values:
+            return
+        try:
+            self.values[name] = PARSERS[name](raw)
+        except ValueError as exc:
+            self.annotations.append(
+                {"field": name, "source": source, "value": raw[:MAX_VALUE_LEN], "error": str(exc)}
+            )
+            return
+        self.sources[name] = source
+
+
+def split_rollout_prefix(raw_path: str) -> tuple[str, list[tuple[str, str]]]:
+    """`/rollout/step=3/sample_index=1/v1/x?q` -> (`/v1/x?q`, [("step","3"), ...]).
+
+    Only a prefix of `name=value` segments is taken; a path without one is returned unchanged.
+    """
+    if not raw_path.startswith(PATH_PREFIX):
+        return raw_path, []
+    path, qmark, query = raw_path.partition("?")
+    segments = path[len(PATH_PREFIX) :].split("/")
+    items: list[tuple[str, str]] = []
+    for segment in segments:
+        name, eq, value = segment.partition("=")
+        if not eq:
+            break
+        items.append((unquote(name), unquote(value)))
+    if not items:
+        return raw_path, []
+    rest = "/" + "/".join(segments[len(items) :])
+    return rest + qmark + query, items
+
+
+def _baggage_items(header: str) -> list[tuple[str, str]]:
+    items = []
+    for member in header.split(","):
+        pair = member.split(";", 1)[0]
+        key, eq, value = pair.partition("=")
+        if eq:
+            items.append((unquote(key.strip()), unquote(value.strip())))
+    return items
+
+
+class MetadataResolver:
+    """Applies the sources in order; one instance per proxy, rules parsed once."""
+
+    def __init__(self, rules: list[MappingRule]) -> None:
+        self._header_rules = [r for r in rules if r.source == "header"]
+        self._body_rules = [r for r in rules if r.source == "body"]
+
+    def resolve(
+        self,
+        headers: Mapping[str, str],
+        path_items: list[tuple[str, str]],
+        body: Mapping[str, Any] | None,
+    ) -> KeyHints:
+        hints = KeyHints()
+        for name, header in HEADER_NAMES.items():
+            value = headers.get(header)
+            if value is not None:
+                hints.offer(name, value, "header:" + header)
+        for baggage in _all(headers, "baggage"):
+            for key, value in _baggage_items(baggage):
+                if key.startswith(BAGGAGE_PREFIX):
+                    self._offer_named(hints, key[len(BAGGAGE_PREFIX) :], value, "baggage:" + key)
+        for key, value in path_items:
+            self._offer_named(hints, key, value, "path")
+        for rule in self._header_rules:
+            value = headers.get(rule.name)
+            if value is not None:
+                for name, part in rule.extract(value).items():
+                    hints.offer(name, part, "map:" + rule.text)
+        if body is not None:
+            for rule in self._body_rules:
+                value = body.get(rule.name)
+                if isinstance(value, (str, int)) and not isinstance(value, bool):
+                    for name, part in rule.extract(str(value)).items():
+                        hints.offer(name, part, "map:" + rule.text)
+        return hints
+
+    def affinity_key(self, headers: Mapping[str, str], path_items: list[tuple[str, str]]) -> str:
+        """A cheap trajectory identity for upstream stickiness, from headers and path only."""
+        hints = self.resolve(headers, path_items, None)
+        values = hints.values
+        if "trajectory_id" in values:
+            return "id:" + str(values["trajectory_id"])
+        if "sample_index" in values:
+            parts = ("experiment", "step", "validate", "sample_index", "rollout_n")
+            return "key:" + "/".join(str(values.get(p)) for p in parts)
+        return ""
+
+    @staticmethod
+    def _offer_named(hints: KeyHints, key: str, value: str, source: str) -> None:
+        if key in PARSERS:
+            hints.offer(key, value, source)
+        else:
+            hints.annotations.append(
+                {"field": key, "source": source, "value": value[:MAX_VALUE_LEN],
+                 "error": "unknown key field"}
+            )  # fmt: skip
+
+
+def _all(headers: Mapping[str, str], name: str) -> list[str]:
+    getall = getattr(headers, "getall", None)
+    if getall is not None:
+        values: list[str] = getall(name, [])
+        return values
+    value = headers.get(name)
+    return [value] if value is not None else []

@@ -1,0 +1,28 @@
+"""Secrets never reach a record or a log: credentials are dropped from recorded headers."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+_SECRET_HEADER = re.compile(
+    r"authorization|cookie|api[-_]?key|token|secret|password|credential|session[-_]?key",
+    re.IGNORECASE,
+)
+REDACTED = "[redacted]"
+_NOT_RECORDED = frozenset({"content-length", "host", "connection", "keep-alive"})
+
+
+def is_secret_header(name: str) -> bool:
+    return _SECRET_HEADER.search(name) is not None
+
+
+def recorded_headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Request headers as a record keeps them: secrets replaced, framing headers left out."""
+    kept: dict[str, str] = {}
+    for name, value in items:
+        lowered = name.lower()
+        if lowered in _NOT_RECORDED:
+            continue
+        kept[lowered] = REDACTED if is_secret_header(lowered) else value
+    return kept

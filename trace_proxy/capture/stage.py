@@ -1,0 +1,137 @@
+"""The capture stage: exchanges in, calls and step events out, off the forwarding path.
+
+The forwarder drops each finished exchange into a bounded queue (never waiting); one task here
+parses them in arrival order and feeds the assembler. A body that cannot be parsed is still
+recorded, as an unparsed call with the reason, so the trajectory shows that something happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import orjson
+
+from trace_proxy.capture.control import parse_event
+from trace_proxy.capture.dialects import DIALECTS, ParsedCall, ParseError
+from trace_proxy.capture.dialects.common import exchange_error, http_error, new_call
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.metadata import MetadataResolver
+from trace_proxy.capture.routes import RouteKind, classify
+from trace_proxy.metrics import Metrics
+from trace_proxy.trajectories.assembler import Assembler
+
+log = logging.getLogger(__name__)
+
+
+class CaptureStage:
+    def __init__(
+        self,
+        resolver: MetadataResolver,
+        assembler: Assembler,
+        metrics: Metrics,
+        *,
+        project: str,
+        experiment: str,
+        queue_size: int,
+        idle_check_interval: float,
+    ) -> None:
+        self._resolver = resolver
+        self._assembler = assembler
+        self._metrics = metrics
+        self._project = project
+        self._experiment = experiment
+        self._queue: asyncio.Queue[Exchange] = asyncio.Queue(maxsize=queue_size)
+        self._idle_check_interval = idle_check_interval
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def submit(self, exchange: Exchange) -> None:
+        """Called by the forwarder; never blocks, never raises."""
+        try:
+            self._queue.put_nowait(exchange)
+        except asyncio.QueueFull:
+            self._metrics.capture_dropped.labels("capture_queue_full").inc()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._work()), loop.create_task(self._close_idle())]
+
+    async def stop(self) -> None:
+        """Parse everything already queued, then close every open trajectory."""
+        await self._queue.join()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._assembler.close_all("shutdown")
+        self._metrics.open_trajectories.set(0)
+
+    async def _work(self) -> None:
+        while True:
+            exchange = await self._queue.get()
+            try:
+                self.process(exchange)
+            except Exception:
+                self._metrics.capture_dropped.labels("internal_error").inc()
+                log.exception("capturing %s %s failed", exchange.method, exchange.path)
+            finally:
+                self._queue.task_done()
+                self._metrics.capture_queue.set(self._queue.qsize())
+
+    async def _close_idle(self) -> None:
+        while True:
+            await asyncio.sleep(self._idle_check_interval)
+            self._assembler.close_idle()
+            self._metrics.open_trajectories.set(self._assembler.open_count)
+
+    def process(self, exchange: Exchange) -> None:
+        kind = classify(exchange.method, exchange.path)
+        if kind is RouteKind.CONTROL:
+            hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
+            event = parse_event(
+                exchange,
+                project=hints.values.get("project", self._project),
+                experiment=hints.values.get("experiment", self._experiment),
+            )
+            self._metrics.events_recorded.labels(event.event).inc()
+            self._assembler.add_event(event)
+            return
+        if kind is not RouteKind.GENERATE:
+            return
+        dialect, parser = DIALECTS[exchange.path]
+        request: Any = None
+        try:
+            request = orjson.loads(exchange.request_body)
+            if not isinstance(request, dict):
+                raise ParseError("request body is not a JSON object")
+            parsed = parser(exchange, request)
+        except (orjson.JSONDecodeError, ParseError) as exc:
+            parsed = [self._unparsed(exchange, dialect, request, _reason(exc))]
+        except Exception as exc:  # a parser bug must not lose the call
+            log.exception("parser %s failed on %s", dialect, exchange.path)
+            parsed = [self._unparsed(exchange, dialect, request, f"parser error: {exc!r}")]
+        for item in parsed:
+            hints = self._resolver.resolve(
+                exchange.request_headers, exchange.path_metadata, item.body
+            )
+            counter = (
+                self._metrics.calls_unparsed if item.call.unparsed else self._metrics.calls_recorded
+            )
+            counter.labels(dialect).inc()
+            self._assembler.add_call(hints, item.call)
+        self._metrics.open_trajectories.set(self._assembler.open_count)
+
+    @staticmethod
+    def _unparsed(exchange: Exchange, dialect: str, request: Any, reason: str) -> ParsedCall:
+        body = request if isinstance(request, dict) else {}
+        call = new_call(exchange, dialect, {})
+        call.stream = bool(body.get("stream"))
+        call.unparsed = reason
+        call.error = exchange_error(exchange) or http_error(exchange.status, exchange.response_body)
+        return ParsedCall(call, body)
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, orjson.JSONDecodeError):
+        return f"request is not JSON: {exc}"
+    return str(exc)

@@ -1,0 +1,128 @@
+"""`trace-proxy serve | demo | show`: the command line, assembled from the declared options."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Coroutine, Sequence
+from typing import Any, NoReturn
+
+from trace_proxy.config import ConfigError, Settings, add_options, resolve
+
+EXIT_USAGE = 2
+
+DESCRIPTION = """\
+A transparent reverse proxy in front of vLLM / SGLang servers that records every generate call
+of every RL rollout as trajectories, without changing a byte of the traffic."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but an error is one line naming the problem, and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"trace-proxy: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="trace-proxy", description=DESCRIPTION)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    commands.required = True
+
+    serve = commands.add_parser(
+        "serve", help="run the proxy in front of one or more upstreams", description=DESCRIPTION
+    )
+    add_options(serve, "serve")
+
+    demo = commands.add_parser(
+        "demo",
+        help="run a simulated vLLM server and a tool-calling agent through the proxy",
+        description="Start a simulated vLLM server (real Qwen tokenizer, built offline), run a "
+        "small multi-turn tool-calling RL rollout through the proxy, and write the store.",
+    )
+    add_options(demo, "demo")
+    demo.add_argument("--samples", type=int, default=4, help="samples per step [default: 4]")
+    demo.add_argument("--rollouts", type=int, default=2, help="rollouts per sample [default: 2]")
+    demo.add_argument("--steps", type=int, default=2, help="training steps [default: 2]")
+
+    show = commands.add_parser("show", help="print stored trajectories readably")
+    show.add_argument("directory", help="the --output directory of serve or demo")
+    show.add_argument("--step", type=int, help="only this step")
+    show.add_argument("--experiment", help="only this experiment")
+    show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
+    show.add_argument("--width", type=int, default=100, help="characters of text per call line")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = vars(parser.parse_args(argv))
+    command = args.pop("command")
+    if command == "show":
+        from trace_proxy.show import show
+
+        return show(
+            args["directory"],
+            step=args["step"],
+            experiment=args["experiment"],
+            limit=args["limit"],
+            width=args["width"],
+        )
+    extra = {k: args.pop(k) for k in ("samples", "rollouts", "steps") if k in args}
+    try:
+        settings = resolve(command, args)
+        if command == "serve" and not settings.upstream:
+            raise ConfigError("--upstream is required (or TRACE_PROXY_UPSTREAM, or a config file)")
+    except ConfigError as exc:
+        print(f"trace-proxy: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(
+        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if command == "serve":
+        return _run(_serve(settings))
+    from trace_proxy.demo.run import run_demo
+
+    return _run(run_demo(settings, **extra))
+
+
+def _run(main: Coroutine[Any, Any, int]) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        return asyncio.run(main)
+    return uvloop.run(main)
+
+
+async def _serve(settings: Settings) -> int:
+    from trace_proxy.proxy.service import ProxyService
+
+    service = ProxyService(settings)
+    try:
+        addresses = await service.start()
+    except OSError as exc:
+        print(f"trace-proxy: error: cannot listen on {settings.host}:{settings.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
+        await service.stop()
+        return 1
+    print(
+        f"trace-proxy: forwarding {addresses.proxy} -> {', '.join(settings.upstream)}; "
+        f"records -> {', '.join(settings.backend)} ({settings.output}); "
+        f"metrics at {addresses.admin}/metrics",
+        flush=True,
+    )
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    await stopping.wait()
+    print("trace-proxy: stopping: draining in-flight requests, then flushing records", flush=True)
+    await service.stop()
+    print("trace-proxy: stopped", flush=True)
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

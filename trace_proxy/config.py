@@ -1,0 +1,321 @@
+"""One settings object, assembled from the command line, the environment and a config file.
+
+Each option is declared once, with its parser and help text, in the manner of mitmproxy's
+addon options; the CLI flags, the `TRACE_PROXY_<OPTION>` variables and the config-file keys are
+all derived from that declaration, so the three can never disagree. Precedence: command line >
+environment > config file > default. A bad value raises `ConfigError` naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "TRACE_PROXY_"
+
+
+class ConfigError(ValueError):
+    """An option with an invalid value; the message names the option."""
+
+
+# --- value parsers: each takes the raw value (str from CLI/env, any from a file) ---------------
+
+
+def parse_str(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError("expected a non-empty string")
+    return value
+
+
+def parse_port(value: Any) -> int:
+    port = parse_int(value)
+    if not 0 <= port <= 65535:
+        raise ValueError(f"{port} is not a TCP port (0-65535)")
+    return port
+
+
+def parse_int(value: Any) -> int:
+    if isinstance(value, bool):
+        raise ValueError("expected an integer")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not an integer") from None
+
+
+def parse_seconds(value: Any) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a number of seconds") from None
+    if seconds <= 0 or seconds != seconds:
+        raise ValueError("must be a positive number of seconds")
+    return seconds
+
+
+def parse_optional_seconds(value: Any) -> float | None:
+    """Seconds, or none/off/0 for 'no limit' (generations can run for minutes)."""
+    if value is None or (isinstance(value, str) and value.lower() in ("", "none", "off", "0")):
+        return None
+    if value == 0:
+        return None
+    return parse_seconds(value)
+
+
+def parse_host(value: Any) -> str:
+    host = parse_str(value)
+    if host != "localhost":
+        try:
+            ipaddress.ip_address(host)
+        except ValueError:
+            if not re.fullmatch(r"[A-Za-z0-9.-]+", host):
+                raise ValueError(f"{host!r} is not a host name or IP address") from None
+    return host
+
+
+def parse_upstream(value: Any) -> str:
+    """An absolute http(s) URL with a host; a trailing slash is dropped."""
+    url = parse_str(value).rstrip("/")
+    match = re.fullmatch(r"(https?)://([^/?#@\s]+)(/[^?#\s]*)?", url)
+    if not match:
+        raise ValueError(f"{value!r} is not an http(s)://host[:port][/path] URL")
+    return url
+
+
+def parse_log_level(value: Any) -> str:
+    level = parse_str(value).upper()
+    if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ValueError(f"{value!r} is not one of debug, info, warning, error")
+    return level
+
+
+def parse_name(value: Any) -> str:
+    name = parse_str(value)
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", name):
+        raise ValueError(f"{name!r} must be 1-128 characters of letters, digits, '.', '_' or '-'")
+    return name
+
+
+@dataclass(frozen=True)
+class Option:
+    """One setting: its name (snake_case), parser, default and help text."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    multiple: bool = False  # a list: repeat the flag, or comma-separate in env/file
+    metavar: str | None = None
+    commands: tuple[str, ...] = ("serve",)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+
+def _backends(value: Any) -> str:
+    from trace_proxy.exporters import known_backends
+
+    name = parse_str(value).lower()
+    if name not in known_backends():
+        raise ValueError(f"unknown backend {name!r} (known: {', '.join(known_backends())})")
+    return name
+
+
+def _mapping(value: Any) -> str:
+    from trace_proxy.capture.metadata import parse_mapping
+
+    text = parse_str(value)
+    parse_mapping(text)  # validate now; the capture stage parses it again when it starts
+    return text
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("upstream", parse_upstream, [], "inference server to forward to (repeat for several; "
+           "calls of one trajectory stick to one upstream)", multiple=True, metavar="URL"),
+    Option("host", parse_host, "127.0.0.1", "address to listen on (loopback unless told)",
+           commands=("serve",)),
+    Option("port", parse_port, 8100, "port to listen on (0 picks a free one)"),
+    Option("admin_port", parse_port, 8101,
+           "port of the admin endpoints (/metrics, /health) on the same host; 0 picks a free one"),
+    Option("backend", _backends, ["jsonl"], "where closed trajectories go "
+           "(comma-separated or repeated)", multiple=True, metavar="NAME",
+           commands=("serve", "demo")),
+    Option("output", Path, Path("traces"), "directory of the jsonl store",
+           metavar="DIR", commands=("serve", "demo")),
+    Option("project", parse_name, "default", "project name of the records",
+           commands=("serve", "demo")),
+    Option("experiment", parse_name, "default",
+           "experiment name when a request does not name one", commands=("serve", "demo")),
+    Option("connect_timeout", parse_seconds, 10.0, "seconds to connect to an upstream",
+           metavar="SECONDS"),
+    Option("read_timeout", parse_optional_seconds, None, "seconds an upstream may stay silent "
+           "mid-response (default: no limit; generations run for minutes)", metavar="SECONDS"),
+    Option("idle_timeout", parse_seconds, 300.0,
+           "close a trajectory after this many seconds without a call", metavar="SECONDS"),
+    Option("shutdown_grace", parse_seconds, 30.0, "on SIGTERM/SIGINT, seconds to let in-flight "
+           "requests finish before records are flushed", metavar="SECONDS"),
+    Option("map", _mapping, ["header:X-Session-ID=trajectory_id"],
+           "take a key field from what clients already send: SOURCE:NAME=FIELD or "
+           "SOURCE:NAME=/REGEX with named groups/; SOURCE is header or body (repeatable)",
+           multiple=True, metavar="RULE"),
+    Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
+           "are counted as dropped", metavar="N"),
+    Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
+           metavar="LEVEL", commands=("serve", "demo")),
+)  # fmt: skip
+
+OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
+
+
+@dataclass
+class Settings:
+    """The resolved configuration of one proxy process."""
+
+    upstream: list[str] = field(default_factory=list)
+    host: str = "127.0.0.1"
+    port: int = 8100
+    admin_port: int = 8101
+    backend: list[str] = field(default_factory=lambda: ["jsonl"])
+    output: Path = Path("traces")
+    project: str = "default"
+    experiment: str = "default"
+    connect_timeout: float = 10.0
+    read_timeout: float | None = None
+    idle_timeout: float = 300.0
+    shutdown_grace: float = 30.0
+    map: list[str] = field(default_factory=lambda: ["header:X-Session-ID=trajectory_id"])
+    capture_queue: int = 10000
+    log_level: str = "INFO"
+
+
+def add_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """Register every option of `command` on an argparse parser (defaults resolved later)."""
+    for opt in OPTIONS:
+        if command not in opt.commands:
+            continue
+        default = opt.default
+        shown = ",".join(map(str, default)) if isinstance(default, list) else default
+        help_text = f"{opt.help} [env {opt.env}; default: {shown if shown != [] else 'none'}]"
+        parser.add_argument(
+            opt.flag,
+            dest=opt.name,
+            action="append" if opt.multiple else "store",
+            default=argparse.SUPPRESS,
+            metavar=opt.metavar or opt.name.upper(),
+            help=help_text,
+        )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help=f"YAML or TOML file with any of these options [env {ENV_PREFIX}CONFIG]",
+    )
+
+
+def resolve(
+    command: str,
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+) -> Settings:
+    """Merge command line > environment > config file > defaults into a Settings."""
+    environ = os.environ if environ is None else environ
+    config_path = cli.get("config") or environ.get(ENV_PREFIX + "CONFIG")
+    from_file = load_config_file(Path(config_path), command) if config_path else {}
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        if command not in opt.commands:
+            continue
+        if opt.name in cli:
+            raw, where = cli[opt.name], opt.flag
+        elif opt.env in environ:
+            raw, where = environ[opt.env], opt.env
+        elif opt.name in from_file:
+            raw, where = from_file[opt.name], f"{opt.name} in {config_path}"
+        else:
+            continue
+        values[opt.name] = _parse(opt, raw, where)
+    return Settings(**values)
+
+
+def _parse(opt: Option, raw: Any, where: str) -> Any:
+    items: Iterable[Any]
+    if opt.multiple:
+        if isinstance(raw, str):
+            items = [raw]
+        elif isinstance(raw, Sequence):
+            items = raw
+        else:
+            raise ConfigError(f"invalid value for {where}: expected a list")
+        # A comma-separated value is a list too, except for rules that may hold commas.
+        split = [p for it in items for p in (_split_commas(it) if opt.name != "map" else [it])]
+        try:
+            return [opt.parse(p) for p in split]
+        except ValueError as exc:
+            raise ConfigError(f"invalid value for {where}: {exc}") from None
+    try:
+        return opt.parse(raw)
+    except ValueError as exc:
+        raise ConfigError(f"invalid value for {where}: {exc}") from None
+
+
+def _split_commas(value: Any) -> list[Any]:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return [value]
+
+
+# verl's names for the same settings (actor_rollout_ref.rollout.trace.*), accepted in files.
+VERL_ALIASES = {"project_name": "project", "experiment_name": "experiment"}
+
+
+def load_config_file(path: Path, command: str) -> dict[str, Any]:
+    """Read a YAML or TOML file into option values; unknown keys are an error, not a no-op."""
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"invalid value for --config: cannot read {path}: {exc.strerror}"
+        ) from None
+    try:
+        if path.suffix.lower() == ".toml":
+            data: Any = tomllib.loads(text.decode("utf-8"))
+        else:
+            data = yaml.safe_load(text)
+    except (ValueError, yaml.YAMLError) as exc:
+        first_line = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(
+            f"invalid value for --config: {path} is not valid: {first_line}"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid value for --config: {path} must hold a mapping of options")
+    if isinstance(data.get("trace"), dict):  # verl's `trace:` block
+        data = {**{k: v for k, v in data.items() if k != "trace"}, **data["trace"]}
+    values: dict[str, Any] = {}
+    for key, value in data.items():
+        name = VERL_ALIASES.get(str(key), str(key).replace("-", "_"))
+        opt = OPTIONS_BY_NAME.get(name)
+        if opt is None or command not in opt.commands:
+            raise ConfigError(f"invalid value for --config: unknown option {key!r} in {path}")
+        values[name] = value
+    return values

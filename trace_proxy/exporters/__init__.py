@@ -1,0 +1,27 @@
+"""Backends that closed trajectories are exported to. Adding one = a module + a line here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from trace_proxy.config import Settings
+from trace_proxy.exporters.base import Exporter
+
+ExporterFactory = Callable[[Settings], Exporter]
+
+
+def _jsonl(settings: Settings) -> Exporter:
+    from trace_proxy.exporters.jsonl import JsonlExporter
+
+    return JsonlExporter(settings.output)
+
+
+BACKENDS: dict[str, ExporterFactory] = {"jsonl": _jsonl}
+
+
+def known_backends() -> list[str]:
+    return sorted(BACKENDS)
+
+
+def create_exporters(settings: Settings) -> list[Exporter]:
+    return [BACKENDS[name](settings) for name in dict.fromkeys(settings.backend)]

@@ -1,0 +1,95 @@
+"""The embedded default store: one trajectory per JSON line, a file per project/experiment/step.
+
+Layout under the output directory:
+    <project>/<experiment>/step-000003.jsonl           trajectories of training step 3
+    <project>/<experiment>/validate-step-000003.jsonl  trajectories of a validation pass
+    <project>/<experiment>/step-none.jsonl             trajectories with no step
+    <project>/<experiment>/events.jsonl                step events (weight updates, pauses)
+Each line is written with one `write` on an O_APPEND descriptor; a file is fsync'd when it is
+closed. A torn last line left by a crash is cut off when the file is next opened, so readers
+never see a partial record.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+from trace_proxy.trajectories.record import Record, StepEvent, dumps
+
+MAX_OPEN_FILES = 32
+
+
+def record_path(root: Path, record: Record) -> Path:
+    if isinstance(record, StepEvent):
+        return root / record.project / record.experiment / "events.jsonl"
+    key = record.key
+    step = "none" if key.step is None else f"{key.step:06d}"
+    prefix = "validate-step-" if key.validate else "step-"
+    return root / key.project / key.experiment / f"{prefix}{step}.jsonl"
+
+
+class JsonlExporter:
+    name = "jsonl"
+
+    def __init__(self, output: Path) -> None:
+        self.output = Path(output)
+        self._files: OrderedDict[Path, int] = OrderedDict()
+
+    def export(self, records: list[Record]) -> None:
+        lines: dict[Path, list[bytes]] = {}
+        for record in records:
+            lines.setdefault(record_path(self.output, record), []).append(dumps(record) + b"\n")
+        for path, chunk in lines.items():
+            fd = self._open(path)
+            for line in chunk:
+                _write_all(fd, line)
+
+    def close(self) -> None:
+        while self._files:
+            _, fd = self._files.popitem(last=False)
+            _close(fd)
+
+    def _open(self, path: Path) -> int:
+        fd = self._files.get(path)
+        if fd is not None:
+            self._files.move_to_end(path)
+            return fd
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        _cut_torn_tail(fd)
+        self._files[path] = fd
+        if len(self._files) > MAX_OPEN_FILES:
+            _, oldest = self._files.popitem(last=False)
+            _close(oldest)
+        return fd
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def _close(fd: int) -> None:
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _cut_torn_tail(fd: int, block: int = 1 << 16) -> None:
+    size = os.fstat(fd).st_size
+    if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        return
+    end = size
+    while end > 0:
+        start = max(0, end - block)
+        newline = os.pread(fd, end - start, start).rfind(b"\n")
+        if newline >= 0:
+            os.ftruncate(fd, start + newline + 1)
+            return
+        end = start
+    os.ftruncate(fd, 0)

@@ -1,0 +1,116 @@
+"""Gives every backend the same queue, worker thread, batching, retry and accounting.
+
+Each exporter gets its own bounded queue and its own thread, so a slow or dead backend never
+slows the proxy or another backend. A record is exported, still queued, or counted as dropped
+with a reason (`queue_full`, `export_failed`); nothing disappears silently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from trace_proxy.exporters.base import Exporter
+from trace_proxy.metrics import Metrics
+from trace_proxy.trajectories.record import Record
+
+log = logging.getLogger(__name__)
+
+
+class _Lane:
+    """One backend: its queue, its thread and its worker task."""
+
+    def __init__(self, exporter: Exporter, queue_size: int) -> None:
+        self.exporter = exporter
+        self.queue: asyncio.Queue[Record] = asyncio.Queue(maxsize=queue_size)
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"export-{exporter.name}")
+        self.task: asyncio.Task[None] | None = None
+
+
+class ExportPipeline:
+    def __init__(
+        self,
+        exporters: list[Exporter],
+        metrics: Metrics,
+        *,
+        queue_size: int = 10_000,
+        batch_size: int = 64,
+        max_attempts: int = 5,
+        backoff: float = 0.5,
+    ) -> None:
+        self._metrics = metrics
+        self._lanes = [_Lane(e, queue_size) for e in exporters]
+        self._batch_size = batch_size
+        self._max_attempts = max_attempts
+        self._backoff = backoff
+
+    @property
+    def backends(self) -> list[str]:
+        return [lane.exporter.name for lane in self._lanes]
+
+    def start(self) -> None:
+        for lane in self._lanes:
+            lane.task = asyncio.get_running_loop().create_task(self._work(lane))
+
+    def submit(self, record: Record) -> None:
+        """Never blocks: a full queue drops the record for that backend, counted."""
+        for lane in self._lanes:
+            name = lane.exporter.name
+            try:
+                lane.queue.put_nowait(record)
+            except asyncio.QueueFull:
+                self._metrics.export_dropped.labels(name, "queue_full").inc()
+                log.warning("export queue of %s is full: a record was dropped", name)
+            else:
+                self._metrics.export_queue.labels(name).set(lane.queue.qsize())
+
+    async def flush(self) -> None:
+        """Wait until everything submitted so far is exported or counted as dropped."""
+        await asyncio.gather(*(lane.queue.join() for lane in self._lanes))
+
+    async def close(self) -> None:
+        await self.flush()
+        loop = asyncio.get_running_loop()
+        for lane in self._lanes:
+            if lane.task is not None:
+                lane.task.cancel()
+            try:
+                await loop.run_in_executor(lane.thread, lane.exporter.close)
+            except Exception:
+                log.exception("closing backend %s failed", lane.exporter.name)
+            lane.thread.shutdown(wait=True)
+
+    async def _work(self, lane: _Lane) -> None:
+        name = lane.exporter.name
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await lane.queue.get()]
+            while len(batch) < self._batch_size and not lane.queue.empty():
+                batch.append(lane.queue.get_nowait())
+            try:
+                await self._export(loop, lane, batch)
+            finally:
+                for _ in batch:
+                    lane.queue.task_done()
+                self._metrics.export_queue.labels(name).set(lane.queue.qsize())
+
+    async def _export(
+        self, loop: asyncio.AbstractEventLoop, lane: _Lane, batch: list[Record]
+    ) -> None:
+        name = lane.exporter.name
+        for attempt in range(1, self._max_attempts + 1):
+            try:
+                await loop.run_in_executor(lane.thread, lane.exporter.export, batch)
+            except Exception as exc:
+                if attempt == self._max_attempts:
+                    self._metrics.export_dropped.labels(name, "export_failed").inc(len(batch))
+                    log.error("backend %s failed %d times, %d records dropped: %s",
+                              name, attempt, len(batch), exc)  # fmt: skip
+                    return
+                self._metrics.export_retries.labels(name).inc()
+                log.warning("backend %s failed (attempt %d): %s", name, attempt, exc)
+                await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
+            else:
+                self._metrics.exported.labels(name).inc(len(batch))
+                return

@@ -1,0 +1,99 @@
+"""Prometheus metrics of one proxy, in its own registry (no process-global state)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "trace_proxy_requests",
+            "Requests forwarded, by route kind and status class",
+            ["kind", "status"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "trace_proxy_upstream_errors",
+            "Requests the upstream could not serve, by cause",
+            ["upstream", "cause"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "trace_proxy_in_flight",
+            "Requests in flight per upstream",
+            ["upstream"],
+            registry=r,
+        )
+        self.added_latency = Histogram(
+            "trace_proxy_response_start_seconds",
+            "Time from request received to response headers sent to the client",
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 120),
+            registry=r,
+        )
+        self.capture_dropped = Counter(
+            "trace_proxy_capture_dropped",
+            "Exchanges not recorded, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.calls_recorded = Counter(
+            "trace_proxy_calls_recorded",
+            "Generate calls recorded, by dialect",
+            ["dialect"],
+            registry=r,
+        )
+        self.calls_unparsed = Counter(
+            "trace_proxy_calls_unparsed",
+            "Generate calls recorded as unparsed, by dialect",
+            ["dialect"],
+            registry=r,
+        )
+        self.events_recorded = Counter(
+            "trace_proxy_step_events",
+            "Step events recorded, by event",
+            ["event"],
+            registry=r,
+        )
+        self.trajectories_closed = Counter(
+            "trace_proxy_trajectories_closed",
+            "Trajectories closed, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.open_trajectories = Gauge(
+            "trace_proxy_open_trajectories",
+            "Trajectories still collecting calls",
+            registry=r,
+        )
+        self.capture_queue = Gauge(
+            "trace_proxy_capture_queue",
+            "Exchanges waiting to be parsed",
+            registry=r,
+        )
+        self.exported = Counter(
+            "trace_proxy_exported_records",
+            "Records exported, by backend",
+            ["backend"],
+            registry=r,
+        )
+        self.export_retries = Counter(
+            "trace_proxy_export_retries",
+            "Export attempts retried, by backend",
+            ["backend"],
+            registry=r,
+        )
+        self.export_dropped = Counter(
+            "trace_proxy_export_dropped",
+            "Records not exported, by backend and reason",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.export_queue = Gauge(
+            "trace_proxy_export_queue",
+            "Records waiting for a backend",
+            ["backend"],
+            registry=r,
+        )

@@ -1,0 +1,209 @@
+"""The hot path: forward one request to its upstream and stream the answer back untouched.
+
+It only forwards and copies. Bytes go out as they arrive (each SSE event reaches the client as
+soon as the upstream sends it); references to the same bytes are kept for the capture stage,
+which gets them only after the response is finished. Nothing here parses a body.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+from yarl import URL
+
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.metadata import PATH_PREFIX, MetadataResolver, split_rollout_prefix
+from trace_proxy.capture.routes import RouteKind, classify
+from trace_proxy.metrics import Metrics
+from trace_proxy.proxy.headers import (
+    SKIP_AUTO_HEADERS,
+    client_response_headers,
+    upstream_request_headers,
+)
+from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
+
+log = logging.getLogger(__name__)
+
+
+class Forwarder:
+    def __init__(
+        self,
+        pool: UpstreamPool,
+        session: aiohttp.ClientSession,
+        resolver: MetadataResolver,
+        submit: Callable[[Exchange], None],
+        metrics: Metrics,
+        timeout: aiohttp.ClientTimeout,
+    ) -> None:
+        self._pool = pool
+        self._session = session
+        self._resolver = resolver
+        self._submit = submit
+        self._metrics = metrics
+        self._timeout = timeout
+
+    async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        start = time.time()
+        target = request.raw_path
+        if not target.startswith("/"):  # absolute-form target: only its path and query count
+            target = str(request.rel_url)
+        path_items: list[tuple[str, str]] = []
+        if target.startswith(PATH_PREFIX):
+            target, path_items = split_rollout_prefix(target)
+        path, _, query = target.partition("?")
+        kind = classify(request.method, path)
+        affinity = (
+            self._resolver.affinity_key(request.headers, path_items) if self._pool.sticky else ""
+        )
+        upstream = self._pool.acquire(affinity)
+        in_flight = self._metrics.in_flight.labels(upstream.base)
+        in_flight.inc()
+        exchange = None
+        if kind is not RouteKind.OTHER:
+            exchange = Exchange(
+                method=request.method,
+                path=path,
+                query=query,
+                request_headers=request.headers,
+                path_metadata=path_items,
+                upstream=upstream.base,
+                start=start,
+            )
+        try:
+            return await self._forward(request, upstream, target, kind, exchange, start)
+        finally:
+            in_flight.dec()
+            self._pool.release(upstream)
+            if exchange is not None:
+                self._submit(exchange)
+
+    async def _forward(
+        self,
+        request: web.BaseRequest,
+        upstream: Upstream,
+        target: str,
+        kind: RouteKind,
+        exchange: Exchange | None,
+        start: float,
+    ) -> web.StreamResponse:
+        # Not request.read(): that enforces a 1 MiB cap, and token-id prompts are larger.
+        body = await request.content.read() if request.body_exists else None
+        if exchange is not None and body:
+            exchange.request_body = body
+        headers = upstream_request_headers(
+            list(request.headers.items()), request.remote, request.scheme, request.host
+        )
+        url = URL(upstream.base + target, encoded=True)
+        response: web.StreamResponse | None = None
+        try:
+            async with self._session.request(
+                request.method,
+                url,
+                headers=headers,
+                data=body,
+                allow_redirects=False,
+                skip_auto_headers=SKIP_AUTO_HEADERS,
+                timeout=self._timeout,
+            ) as upstream_response:
+                response = web.StreamResponse(
+                    status=upstream_response.status,
+                    reason=upstream_response.reason,
+                    headers=client_response_headers(list(upstream_response.headers.items())),
+                )
+                await response.prepare(request)
+                first_byte = time.time()
+                self._metrics.added_latency.observe(first_byte - start)
+                chunks = exchange.response_chunks if exchange is not None else None
+                if exchange is not None:
+                    exchange.status = upstream_response.status
+                    exchange.response_headers = upstream_response.headers
+                    exchange.first_byte = first_byte
+                async for chunk in upstream_response.content.iter_any():
+                    if chunks is not None:
+                        chunks.append(chunk)
+                    await response.write(chunk)
+                await response.write_eof()
+        except asyncio.CancelledError:
+            self._note(exchange, kind, "client disconnected", None)
+            raise
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
+            if response is not None and _client_gone(request):
+                self._note(exchange, kind, "client disconnected", None)
+                raise asyncio.CancelledError from exc
+            return self._fail(request, response, exchange, kind, upstream, 502, "reset", exc)
+        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
+            return self._fail(request, response, exchange, kind, upstream, 504, "timeout", exc)
+        except aiohttp.ClientError as exc:
+            return self._fail(request, response, exchange, kind, upstream, 502, "unreachable", exc)
+        self._note(exchange, kind, None, response.status)
+        return response
+
+    def _note(
+        self, exchange: Exchange | None, kind: RouteKind, error: str | None, status: int | None
+    ) -> None:
+        if exchange is not None:
+            exchange.end = time.time()
+            exchange.error = exchange.error or error
+        status_class = f"{status // 100}xx" if status else "none"
+        self._metrics.requests.labels(kind.value, status_class).inc()
+
+    def _fail(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse | None,
+        exchange: Exchange | None,
+        kind: RouteKind,
+        upstream: Upstream,
+        status: int,
+        cause: str,
+        exc: BaseException,
+    ) -> web.StreamResponse:
+        detail = _describe(exc, cause)
+        self._metrics.upstream_errors.labels(upstream.base, cause).inc()
+        log.warning("%s %s -> %s: %s", request.method, request.path, upstream.base, detail)
+        if response is not None:
+            # Headers are already on their way: the only honest signal left is a cut
+            # connection, so the client sees a failed response, not a short complete one.
+            self._note(exchange, kind, f"upstream {cause} mid-response: {detail}", None)
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        self._note(exchange, kind, f"upstream {cause}: {detail}", status)
+        if exchange is not None:
+            exchange.status = status
+        payload = {
+            "error": {
+                "message": f"trace-proxy: upstream {upstream.base} {_CAUSE_TEXT[cause]}: {detail}",
+                "type": f"upstream_{cause}",
+                "code": status,
+                "upstream": upstream.base,
+            }
+        }
+        return web.Response(
+            status=status, body=orjson.dumps(payload), content_type="application/json"
+        )
+
+
+_CAUSE_TEXT = {
+    "unreachable": "could not be reached",
+    "timeout": "timed out",
+    "reset": "reset the connection",
+}
+
+
+def _describe(exc: BaseException, cause: str) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        return exc.os_error.strerror or str(exc.os_error) if exc.os_error else str(exc)
+    text = str(exc)
+    return text or type(exc).__name__
+
+
+def _client_gone(request: web.BaseRequest) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()

@@ -1,0 +1,156 @@
+"""One running proxy, with an explicit lifecycle: start, serve, stop (drain, then flush).
+
+The listener is aiohttp's low-level `web.Server` (no router, no middlewares: every request goes
+to the forwarder). Stopping follows the order that keeps every record: stop accepting, let
+in-flight requests finish within the grace period, parse what was captured, close every open
+trajectory, export or count everything, then close the upstream connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
+from trace_proxy.capture.stage import CaptureStage
+from trace_proxy.config import Settings
+from trace_proxy.exporters import create_exporters
+from trace_proxy.exporters.base import Exporter
+from trace_proxy.exporters.pipeline import ExportPipeline
+from trace_proxy.metrics import Metrics
+from trace_proxy.proxy.forward import Forwarder
+from trace_proxy.proxy.upstreams import UpstreamPool
+from trace_proxy.trajectories.assembler import Assembler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Addresses:
+    proxy: str
+    admin: str | None
+
+
+class ProxyService:
+    def __init__(self, settings: Settings, exporters: list[Exporter] | None = None) -> None:
+        if not settings.upstream:
+            raise ValueError("at least one --upstream is required")
+        self.settings = settings
+        self.metrics = Metrics()
+        self.pool = UpstreamPool(settings.upstream)
+        self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
+        self.pipeline = ExportPipeline(
+            exporters if exporters is not None else create_exporters(settings), self.metrics
+        )
+        self.assembler = Assembler(
+            self.pipeline.submit,
+            project=settings.project,
+            experiment=settings.experiment,
+            idle_timeout=settings.idle_timeout,
+            on_close=lambda reason: self.metrics.trajectories_closed.labels(reason).inc(),
+        )
+        self.capture = CaptureStage(
+            self.resolver,
+            self.assembler,
+            self.metrics,
+            project=settings.project,
+            experiment=settings.experiment,
+            queue_size=settings.capture_queue,
+            idle_check_interval=min(settings.idle_timeout / 4, 5.0),
+        )
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.ServerRunner | None = None
+        self._admin_runner: web.AppRunner | None = None
+        self.addresses: Addresses | None = None
+
+    async def start(self) -> Addresses:
+        settings = self.settings
+        connector = aiohttp.TCPConnector(
+            limit=0, keepalive_timeout=60, ttl_dns_cache=300, enable_cleanup_closed=True
+        )
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            auto_decompress=False,  # bytes go back exactly as the upstream sent them
+            cookie_jar=aiohttp.DummyCookieJar(),  # never keep a client's cookies
+            read_bufsize=1 << 18,
+        )
+        timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
+        )
+        forwarder = Forwarder(
+            self.pool, self._session, self.resolver, self.capture.submit, self.metrics, timeout
+        )
+        self.pipeline.start()
+        self.capture.start()
+        server = web.Server(
+            forwarder.handle,
+            handler_cancellation=True,  # a client that leaves cancels its upstream request
+            auto_decompress=False,
+            access_log=None,
+        )
+        self._runner = web.ServerRunner(server, shutdown_timeout=settings.shutdown_grace)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, settings.host, settings.port)
+        await site.start()
+        proxy_url = _bound_url(site)
+        admin_url = None
+        if settings.admin_port is not None:
+            self._admin_runner = web.AppRunner(self._admin_app(), access_log=None)
+            await self._admin_runner.setup()
+            admin_site = web.TCPSite(self._admin_runner, settings.host, settings.admin_port)
+            await admin_site.start()
+            admin_url = _bound_url(admin_site)
+        self.addresses = Addresses(proxy_url, admin_url)
+        return self.addresses
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()  # stops accepting, then waits for in-flight requests
+        await self.capture.stop()
+        await self.pipeline.close()
+        if self._session is not None:
+            await self._session.close()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+
+    async def __aenter__(self) -> ProxyService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def _admin_app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/metrics", self._metrics_endpoint)
+        app.router.add_get("/health", self._health_endpoint)
+        return app
+
+    async def _metrics_endpoint(self, request: web.Request) -> web.Response:
+        body = generate_latest(self.metrics.registry)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _health_endpoint(self, request: web.Request) -> web.Response:
+        status: dict[str, Any] = {
+            "status": "ok",
+            "upstreams": [{"url": u.base, "in_flight": u.in_flight} for u in self.pool.upstreams],
+            "open_trajectories": self.assembler.open_count,
+            "backends": self.pipeline.backends,
+        }
+        return web.json_response(status)
+
+
+def _bound_url(site: web.TCPSite) -> str:
+    server = site._server
+    assert server is not None and server.sockets  # type: ignore[attr-defined]
+    sock = server.sockets[0]  # type: ignore[attr-defined]
+    host, port = sock.getsockname()[:2]
+    if sock.family == socket.AF_INET6:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"

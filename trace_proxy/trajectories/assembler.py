@@ -1,0 +1,215 @@
+"""Groups calls into trajectories and decides when a trajectory is complete.
+
+A trajectory is identified by its `trajectory_id` when the client names one, else by
+(experiment, step, validate, sample_index, rollout_n). It closes on the client's done flag, when
+a later step of the same experiment starts, after `idle_timeout` without a call, when the
+open-trajectory bound is reached (oldest first), or at shutdown. A call that arrives for an
+already-closed trajectory opens a new part of it (`part` = 2, 3, ...), so nothing is lost.
+Calls with no key at all are single-call trajectories.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+from trace_proxy.capture.metadata import KeyHints
+from trace_proxy.trajectories.prompts import share_prefixes
+from trace_proxy.trajectories.record import (
+    GenerateCall,
+    Record,
+    RolloutKey,
+    StepEvent,
+    Trajectory,
+)
+
+
+@dataclass
+class _Open:
+    id: str
+    key: RolloutKey
+    part: int
+    last_activity: float
+    calls: list[GenerateCall] = field(default_factory=list)
+    annotations: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Assembler:
+    def __init__(
+        self,
+        emit: Callable[[Record], None],
+        *,
+        project: str,
+        experiment: str,
+        idle_timeout: float,
+        max_open: int = 100_000,
+        on_close: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._emit = emit
+        self._project = project
+        self._experiment = experiment
+        self._idle_timeout = idle_timeout
+        self._max_open = max_open
+        self._on_close = on_close
+        self._clock = clock
+        self._open: OrderedDict[Hashable, _Open] = OrderedDict()
+        self._parts: OrderedDict[Hashable, int] = OrderedDict()  # closed identities, bounded
+        self._latest_step: dict[tuple[str, str, bool], int] = {}
+
+    @property
+    def open_count(self) -> int:
+        return len(self._open)
+
+    def add_call(self, hints: KeyHints, call: GenerateCall) -> None:
+        key = self._key(hints)
+        identity = self._identity(key)
+        now = self._clock()
+        self._close_older_steps(key)
+        if identity is None:
+            single = _Open(uuid.uuid4().hex, key, 1, now, [call], list(hints.annotations))
+            self._finish(single, "single_call")
+            return
+        trajectory = self._open.get(identity)
+        if trajectory is None:
+            part = self._parts.pop(identity, 0) + 1
+            trajectory = _Open(uuid.uuid4().hex, key, part, now)
+            self._open[identity] = trajectory
+            if len(self._open) > self._max_open:
+                _, oldest = self._open.popitem(last=False)
+                self._close(oldest, "evicted")
+        else:
+            self._open.move_to_end(identity)
+            _fill_missing(trajectory.key, key)
+        trajectory.calls.append(call)
+        trajectory.annotations.extend(hints.annotations)
+        trajectory.last_activity = now
+        if hints.values.get("done") is True:
+            del self._open[identity]
+            self._close(trajectory, "done")
+
+    def add_event(self, event: StepEvent) -> None:
+        self._emit(event)
+
+    def close_idle(self) -> None:
+        deadline = self._clock() - self._idle_timeout
+        while self._open:
+            identity, oldest = next(iter(self._open.items()))
+            if oldest.last_activity > deadline:
+                break
+            del self._open[identity]
+            self._close(oldest, "idle")
+
+    def close_all(self, reason: str = "shutdown") -> None:
+        while self._open:
+            _, trajectory = self._open.popitem(last=False)
+            self._close(trajectory, reason)
+
+    def _key(self, hints: KeyHints) -> RolloutKey:
+        v = hints.values
+        sources = {k: s for k, s in hints.sources.items() if k != "done"}
+        if "project" not in v:
+            sources["project"] = "config"
+        if "experiment" not in v:
+            sources["experiment"] = "config"
+        return RolloutKey(
+            project=v.get("project", self._project),
+            experiment=v.get("experiment", self._experiment),
+            step=v.get("step"),
+            sample_index=v.get("sample_index"),
+            rollout_n=v.get("rollout_n"),
+            validate=v.get("validate"),
+            trajectory_id=v.get("trajectory_id"),
+            sources=sources,
+        )
+
+    @staticmethod
+    def _identity(key: RolloutKey) -> Hashable | None:
+        if key.trajectory_id is not None:
+            return ("id", key.project, key.trajectory_id)
+        if key.sample_index is not None:
+            return (
+                "key", key.project, key.experiment, key.step, bool(key.validate),
+                key.sample_index, key.rollout_n,
+            )  # fmt: skip
+        return None
+
+    def _close_older_steps(self, key: RolloutKey) -> None:
+        if key.step is None:
+            return
+        scope = (key.project, key.experiment, bool(key.validate))
+        latest = self._latest_step.get(scope)
+        if latest is not None and key.step <= latest:
+            return
+        self._latest_step[scope] = key.step
+        if latest is None:
+            return
+        stale = [
+            identity
+            for identity, t in self._open.items()
+            if (t.key.project, t.key.experiment, bool(t.key.validate)) == scope
+            and t.key.step is not None
+            and t.key.step < key.step
+        ]
+        for identity in stale:
+            self._close(self._open.pop(identity), "step_change")
+
+    def _close(self, trajectory: _Open, reason: str) -> None:
+        identity = self._identity(trajectory.key)
+        if identity is not None:
+            self._parts[identity] = trajectory.part
+            while len(self._parts) > self._max_open:
+                self._parts.popitem(last=False)
+        self._finish(trajectory, reason)
+
+    def _finish(self, trajectory: _Open, reason: str) -> None:
+        self._emit(build_trajectory(trajectory, reason))
+        if self._on_close is not None:
+            self._on_close(reason)
+
+
+def build_trajectory(open_: _Open, reason: str) -> Trajectory:
+    calls = sorted(open_.calls, key=lambda c: c.start)
+    for index, call in enumerate(calls):
+        call.index = index
+    prompt_tokens = completion_tokens = 0
+    for call in calls:  # before prefix sharing shortens the stored prompts
+        usage = call.usage or {}
+        prompt_tokens += int(usage.get("prompt_tokens") or len(call.prompt.token_ids or ()))
+        completion_tokens += int(
+            usage.get("completion_tokens") or sum(len(o.token_ids or ()) for o in call.outputs)
+        )
+    share_prefixes(calls)
+    errors = sum(1 for c in calls if c.error is not None)
+    return Trajectory(
+        id=open_.id,
+        key=open_.key,
+        start=calls[0].start,
+        end=max((c.end or c.start) for c in calls),
+        status="error" if errors else "ok",
+        close_reason=reason,
+        calls=calls,
+        upstreams=list(dict.fromkeys(c.upstream for c in calls)),
+        weight_versions=[v for v in dict.fromkeys(c.weight_version for c in calls) if v],
+        annotations=open_.annotations,
+        part=open_.part,
+        summary={
+            "calls": len(calls),
+            "errors": errors,
+            "unparsed": sum(1 for c in calls if c.unparsed is not None),
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+        },
+    )
+
+
+def _fill_missing(target: RolloutKey, source: RolloutKey) -> None:
+    for name in ("step", "sample_index", "rollout_n", "validate", "trajectory_id"):
+        if getattr(target, name) is None and getattr(source, name) is not None:
+            setattr(target, name, getattr(source, name))
+            if name in source.sources:
+                target.sources[name] = source.sources[name]

@@ -1,0 +1,99 @@
+"""Prefix sharing of prompts, so a trajectory grows with its tokens, not with turns x tokens.
+
+Turn N of a multi-turn rollout usually re-sends turn N-1's prompt and response before the new
+tool result. `share_prefixes` stores such a prompt as (earlier call, how many items of its
+context, new suffix); `expand_prompts` undoes it for readers of the stored JSON.
+
+A call's context is what a later prompt can extend: its prompt followed by its first output for
+token ids and text, its messages for chat (the client re-sends the assistant turn itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from trace_proxy.trajectories.record import GenerateCall, Prompt
+
+SHARED_KINDS = ("token_ids", "text", "messages")
+
+
+def _context(full: Prompt, call: GenerateCall, kind: str) -> Sequence[Any] | None:
+    first = call.outputs[0] if call.outputs else None
+    if kind == "token_ids":
+        if full.token_ids is None:
+            return None
+        return [*full.token_ids, *(first.token_ids or [])] if first else full.token_ids
+    if kind == "text":
+        if full.text is None:
+            return None
+        return full.text + ((first.text or "") if first else "")
+    return full.messages
+
+
+def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def share_prefixes(calls: list[GenerateCall], min_shared: int = 2) -> None:
+    """Rewrite each call's prompt as a reference to the previous call plus the new suffix.
+
+    Only the immediately preceding call is a candidate: that is what multi-turn agents extend,
+    and it keeps the work linear. A prompt shorter than `min_shared` shared items stays whole.
+    """
+    previous: tuple[int, Prompt, GenerateCall] | None = None
+    for position, call in enumerate(calls):
+        full = call.prompt
+        if previous is not None:
+            ref, prev_full, prev_call = previous
+            lengths: dict[str, int] = {}
+            suffixes: dict[str, Any] = {}
+            for kind in SHARED_KINDS:
+                value = getattr(full, kind)
+                context = _context(prev_full, prev_call, kind)
+                if value is None or context is None:
+                    continue
+                shared = _common_prefix(context, value)
+                if shared >= min_shared:
+                    lengths[kind] = shared
+                    suffixes[kind] = value[shared:]
+            if lengths:
+                call.prompt = Prompt(
+                    token_ids=suffixes.get("token_ids", full.token_ids),
+                    text=suffixes.get("text", full.text),
+                    messages=suffixes.get("messages", full.messages),
+                    tools=None if full.tools == prev_full.tools else full.tools,
+                    prefix_call=ref,
+                    prefix_len=lengths,
+                )
+        previous = (position, full, call)
+
+
+def expand_prompts(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
+    """Full prompts of every call of a stored trajectory (its JSON form), by call position."""
+    full: list[dict[str, Any]] = []
+    calls = trajectory.get("calls") or []
+    for call in calls:
+        prompt = dict(call.get("prompt") or {})
+        ref = prompt.get("prefix_call")
+        if isinstance(ref, int) and 0 <= ref < len(full):
+            base = full[ref]
+            first = (calls[ref].get("outputs") or [{}])[0]
+            if prompt.get("tools") is None:
+                prompt["tools"] = base.get("tools")
+            for kind, length in (prompt.get("prefix_len") or {}).items():
+                if kind == "token_ids":
+                    context: Any = (base.get("token_ids") or []) + (first.get("token_ids") or [])
+                elif kind == "text":
+                    context = (base.get("text") or "") + (first.get("text") or "")
+                else:
+                    context = base.get("messages") or []
+                prompt[kind] = context[:length] + (prompt.get(kind) or context[:0])
+            prompt["prefix_call"] = None
+            prompt["prefix_len"] = None
+        full.append(prompt)
+    return full

@@ -1,0 +1,139 @@
+"""The canonical record: the one contract between capture, assembly, the store and exporters.
+
+Plain dataclasses, serialised with orjson, documented field by field in docs/record-schema.md.
+Bump SCHEMA_VERSION on any change a reader would notice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import orjson
+
+SCHEMA_VERSION = "trace-proxy.trajectory/1"
+KEY_FIELDS = ("experiment", "step", "sample_index", "rollout_n", "validate", "trajectory_id")
+
+
+@dataclass(slots=True)
+class RolloutKey:
+    """Where a call belongs; each field says in `sources` where its value came from."""
+
+    project: str
+    experiment: str
+    step: int | None = None
+    sample_index: int | None = None
+    rollout_n: int | None = None
+    validate: bool | None = None
+    trajectory_id: str | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Prompt:
+    """What the model was asked. Exactly the fields the client (or server) supplied are set.
+
+    When `prefix_call` is set, the prompt extends an earlier call of the same trajectory: the
+    full value is the first `prefix_len` items of that call's context (its prompt followed by its
+    first output, for token ids and text; its messages, for chat) followed by what is stored here.
+    `expand_prompt` rebuilds the full prompt.
+    """
+
+    token_ids: list[int] | None = None
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    prefix_call: int | None = None
+    prefix_len: dict[str, int] | None = None
+
+
+@dataclass(slots=True)
+class Output:
+    """One generated sequence (a choice); n > 1 gives several."""
+
+    index: int
+    text: str | None = None
+    token_ids: list[int] | None = None
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None
+    stop_reason: Any = None
+    tool_calls: list[dict[str, Any]] | None = None
+    reasoning: str | None = None
+
+
+@dataclass(slots=True)
+class CallError:
+    type: str
+    message: str
+
+
+@dataclass(slots=True)
+class GenerateCall:
+    """One HTTP generate request and its response, as the server answered it."""
+
+    index: int
+    dialect: str
+    route: str
+    upstream: str
+    start: float
+    end: float | None
+    first_byte: float | None = None
+    http_status: int | None = None
+    stream: bool = False
+    request_id: str | None = None
+    model: str | None = None
+    sampling: dict[str, Any] = field(default_factory=dict)
+    prompt: Prompt = field(default_factory=Prompt)
+    outputs: list[Output] = field(default_factory=list)
+    usage: dict[str, Any] | None = None
+    weight_version: str | None = None
+    error: CallError | None = None
+    unparsed: str | None = None
+    request_headers: dict[str, str] = field(default_factory=dict)
+    kind: Literal["generate"] = "generate"
+
+
+@dataclass(slots=True)
+class StepEvent:
+    """A control call that matters to the whole step: weight update, pause, resume, ..."""
+
+    event: str
+    route: str
+    upstream: str
+    time: float
+    project: str
+    experiment: str
+    http_status: int | None = None
+    weight_version: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    error: CallError | None = None
+    schema: str = SCHEMA_VERSION
+    record: Literal["event"] = "event"
+
+
+@dataclass(slots=True)
+class Trajectory:
+    """One rollout: every call of one (experiment, step, sample, rollout), in start order."""
+
+    id: str
+    key: RolloutKey
+    start: float
+    end: float
+    status: Literal["ok", "error"]
+    close_reason: str
+    calls: list[GenerateCall]
+    upstreams: list[str] = field(default_factory=list)
+    weight_versions: list[str] = field(default_factory=list)
+    annotations: list[dict[str, Any]] = field(default_factory=list)
+    part: int = 1
+    summary: dict[str, int] = field(default_factory=dict)
+    schema: str = SCHEMA_VERSION
+    record: Literal["trajectory"] = "trajectory"
+
+
+Record = Trajectory | StepEvent
+
+
+def dumps(record: Record) -> bytes:
+    """One JSON line (without the newline)."""
+    return orjson.dumps(record)
