@@ -28,9 +28,19 @@ FIELDS = (
     "trajectory_id",
     "done",
 )
-HEADER_PREFIX = "X-Rollout-"
-HEADER_NAMES = {f: HEADER_PREFIX + "-".join(p.capitalize() for p in f.split("_")) for f in FIELDS}
+HEADER_NAMES = {
+    "project": "X-Rollout-Project",
+    "experiment": "X-Rollout-Experiment",
+    "step": "X-Rollout-Step",
+    "sample_index": "X-Rollout-Sample-Index",
+    "rollout_n": "X-Rollout-N",
+    "validate": "X-Rollout-Validate",
+    "trajectory_id": "X-Rollout-Trajectory-Id",
+    "done": "X-Rollout-Done",
+}
 BAGGAGE_PREFIX = "rollout."
+# Short names used in baggage (`rollout.n`) and in the path prefix (`/rollout/n=2/`).
+ALIASES = {"n": "rollout_n"}
 PATH_PREFIX = "/rollout/"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
@@ -211,6 +221,7 @@ class MetadataResolver:
 
     @staticmethod
     def _offer_named(hints: KeyHints, key: str, value: str, source: str) -> None:
+        key = ALIASES.get(key, key)
         if key in PARSERS:
             hints.offer(key, value, source)
         else:

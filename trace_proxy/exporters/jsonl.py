@@ -57,7 +57,7 @@ class JsonlExporter:
             self._files.move_to_end(path)
             return fd
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         _cut_torn_tail(fd)
         self._files[path] = fd
         if len(self._files) > MAX_OPEN_FILES:

@@ -15,7 +15,8 @@ from typing import Any
 
 from trace_proxy.trajectories.record import GenerateCall, Prompt
 
-SHARED_KINDS = ("token_ids", "text", "messages")
+# Fewer shared items than this are not worth a reference (a message is worth it on its own).
+MIN_SHARED = {"token_ids": 4, "text": 16, "messages": 1}
 
 
 def _context(full: Prompt, call: GenerateCall, kind: str) -> Sequence[Any] | None:
@@ -39,11 +40,11 @@ def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return i
 
 
-def share_prefixes(calls: list[GenerateCall], min_shared: int = 2) -> None:
+def share_prefixes(calls: list[GenerateCall]) -> None:
     """Rewrite each call's prompt as a reference to the previous call plus the new suffix.
 
     Only the immediately preceding call is a candidate: that is what multi-turn agents extend,
-    and it keeps the work linear. A prompt shorter than `min_shared` shared items stays whole.
+    and it keeps the work linear.
     """
     previous: tuple[int, Prompt, GenerateCall] | None = None
     for position, call in enumerate(calls):
@@ -52,7 +53,7 @@ def share_prefixes(calls: list[GenerateCall], min_shared: int = 2) -> None:
             ref, prev_full, prev_call = previous
             lengths: dict[str, int] = {}
             suffixes: dict[str, Any] = {}
-            for kind in SHARED_KINDS:
+            for kind, min_shared in MIN_SHARED.items():
                 value = getattr(full, kind)
                 context = _context(prev_full, prev_call, kind)
                 if value is None or context is None:

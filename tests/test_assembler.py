@@ -1,0 +1,142 @@
+"""Grouping of interleaved calls into trajectories, and every way a trajectory closes."""
+
+from __future__ import annotations
+
+import random
+
+from trace_proxy.capture.metadata import KeyHints
+from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.prompts import expand_prompts, share_prefixes
+from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory, dumps
+
+import orjson
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def hints(**values) -> KeyHints:
+    h = KeyHints()
+    for name, value in values.items():
+        h.offer(name, str(value), "test")
+    return h
+
+
+def call(start: float, prompt: list[int] | None = None, out: list[int] | None = None) -> GenerateCall:
+    return GenerateCall(
+        index=-1, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
+        start=start, end=start + 0.5, prompt=Prompt(token_ids=prompt),
+        outputs=[Output(index=0, token_ids=out)] if out is not None else [],
+    )  # fmt: skip
+
+
+def make(clock: Clock | None = None, **kw) -> tuple[Assembler, list[Record]]:
+    out: list[Record] = []
+    a = Assembler(out.append, project="p", experiment="e", idle_timeout=10, clock=clock or Clock(), **kw)
+    return a, out
+
+
+def test_interleaved_trajectories_are_separated_and_ordered() -> None:
+    assembler, out = make()
+    plan = [(s, r, t) for s in range(20) for r in range(3) for t in range(4)]
+    random.Random(7).shuffle(plan)
+    for i, (s, r, t) in enumerate(plan):
+        # start times follow the turn order even though arrival is shuffled
+        assembler.add_call(hints(step=1, sample_index=s, rollout_n=r), call(start=t + s * 0.001))
+    assembler.close_all()
+    trajectories = [r for r in out if isinstance(r, Trajectory)]
+    assert len(trajectories) == 60
+    for t in trajectories:
+        assert [c.index for c in t.calls] == [0, 1, 2, 3]
+        assert [c.start for c in t.calls] == sorted(c.start for c in t.calls)
+        assert t.close_reason == "shutdown"
+    assert {(t.key.sample_index, t.key.rollout_n) for t in trajectories} == {
+        (s, r) for s in range(20) for r in range(3)
+    }
+
+
+def test_done_flag_closes_at_once_and_late_call_opens_part_two() -> None:
+    assembler, out = make()
+    assembler.add_call(hints(step=1, sample_index=0), call(0))
+    assembler.add_call(hints(step=1, sample_index=0, done="true"), call(1))
+    assert len(out) == 1 and out[0].close_reason == "done" and len(out[0].calls) == 2
+    assembler.add_call(hints(step=1, sample_index=0), call(2))
+    assembler.close_all()
+    assert out[1].part == 2
+
+
+def test_step_change_closes_older_steps_of_the_same_experiment_only() -> None:
+    assembler, out = make()
+    assembler.add_call(hints(experiment="a", step=1, sample_index=0), call(0))
+    assembler.add_call(hints(experiment="b", step=1, sample_index=0), call(0))
+    assembler.add_call(hints(experiment="a", step=1, sample_index=0, validate="true"), call(0))
+    assembler.add_call(hints(experiment="a", step=2, sample_index=0), call(1))
+    assert [(r.key.experiment, r.key.step, r.close_reason) for r in out] == [("a", 1, "step_change")]
+
+
+def test_idle_timeout() -> None:
+    clock = Clock()
+    assembler, out = make(clock)
+    assembler.add_call(hints(trajectory_id="x"), call(0))
+    clock.now = 5
+    assembler.add_call(hints(trajectory_id="y"), call(0))
+    clock.now = 10.5
+    assembler.close_idle()
+    assert [(r.key.trajectory_id, r.close_reason) for r in out] == [("x", "idle")]
+
+
+def test_unkeyed_call_is_a_single_call_trajectory() -> None:
+    assembler, out = make()
+    assembler.add_call(KeyHints(), call(0))
+    assert out[0].close_reason == "single_call" and out[0].key.experiment == "e"
+
+
+def test_bound_on_open_trajectories_evicts_oldest() -> None:
+    assembler, out = make(max_open=2)
+    for i in range(3):
+        assembler.add_call(hints(trajectory_id=f"t{i}"), call(i))
+    assert [(r.key.trajectory_id, r.close_reason) for r in out] == [("t0", "evicted")]
+
+
+def test_prefix_sharing_stores_suffixes_and_expands_back() -> None:
+    turns = []
+    context: list[int] = list(range(100))
+    for turn in range(5):
+        output = [1000 + turn * 10 + i for i in range(10)]
+        turns.append(call(turn, prompt=list(context), out=output))
+        context = context + output + [2000 + turn] * 5  # tool result tokens
+    full = [list(c.prompt.token_ids or []) for c in turns]
+    share_prefixes(turns)
+    assert turns[0].prompt.token_ids == full[0]
+    for position, turn in enumerate(turns[1:], start=1):
+        assert turn.prompt.prefix_call == position - 1
+        assert turn.prompt.prefix_len == {"token_ids": len(full[position]) - 5}
+        assert turn.prompt.token_ids == full[position][-5:]
+    stored = orjson.loads(dumps(Trajectory(
+        id="x", key=None, start=0, end=1, status="ok", close_reason="done", calls=turns,  # type: ignore[arg-type]
+    )))  # fmt: skip
+    assert [p["token_ids"] for p in expand_prompts(stored)] == full
+
+
+def test_prefix_sharing_of_chat_messages() -> None:
+    first = call(0)
+    first.prompt = Prompt(messages=[{"role": "user", "content": "hi"}])
+    second = call(1)
+    second.prompt = Prompt(
+        messages=[
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "yo"},
+            {"role": "user", "content": "more"},
+        ]
+    )
+    share_prefixes([first, second])
+    assert second.prompt.prefix_call == 0 and second.prompt.prefix_len == {"messages": 1}
+    assert second.prompt.messages == [
+        {"role": "assistant", "content": "yo"},
+        {"role": "user", "content": "more"},
+    ]
