@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import random
 
+import orjson
+
 from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.prompts import expand_prompts, share_prefixes
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory, dumps
-
-import orjson
 
 
 class Clock:
@@ -27,7 +27,9 @@ def hints(**values) -> KeyHints:
     return h
 
 
-def call(start: float, prompt: list[int] | None = None, out: list[int] | None = None) -> GenerateCall:
+def call(
+    start: float, prompt: list[int] | None = None, out: list[int] | None = None
+) -> GenerateCall:
     return GenerateCall(
         index=-1, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
         start=start, end=start + 0.5, prompt=Prompt(token_ids=prompt),
@@ -37,7 +39,9 @@ def call(start: float, prompt: list[int] | None = None, out: list[int] | None = 
 
 def make(clock: Clock | None = None, **kw) -> tuple[Assembler, list[Record]]:
     out: list[Record] = []
-    a = Assembler(out.append, project="p", experiment="e", idle_timeout=10, clock=clock or Clock(), **kw)
+    a = Assembler(
+        out.append, project="p", experiment="e", idle_timeout=10, clock=clock or Clock(), **kw
+    )
     return a, out
 
 
@@ -45,7 +49,7 @@ def test_interleaved_trajectories_are_separated_and_ordered() -> None:
     assembler, out = make()
     plan = [(s, r, t) for s in range(20) for r in range(3) for t in range(4)]
     random.Random(7).shuffle(plan)
-    for i, (s, r, t) in enumerate(plan):
+    for s, r, t in plan:
         # start times follow the turn order even though arrival is shuffled
         assembler.add_call(hints(step=1, sample_index=s, rollout_n=r), call(start=t + s * 0.001))
     assembler.close_all()
@@ -76,7 +80,9 @@ def test_step_change_closes_older_steps_of_the_same_experiment_only() -> None:
     assembler.add_call(hints(experiment="b", step=1, sample_index=0), call(0))
     assembler.add_call(hints(experiment="a", step=1, sample_index=0, validate="true"), call(0))
     assembler.add_call(hints(experiment="a", step=2, sample_index=0), call(1))
-    assert [(r.key.experiment, r.key.step, r.close_reason) for r in out] == [("a", 1, "step_change")]
+    assert [(r.key.experiment, r.key.step, r.close_reason) for r in out] == [
+        ("a", 1, "step_change")
+    ]
 
 
 def test_idle_timeout() -> None:

@@ -93,7 +93,10 @@ def test_body_mapping_with_regex_groups() -> None:
 
 
 def test_request_id_header_and_body_mappings() -> None:
-    rules = [parse_mapping("header:X-Request-Id=trajectory_id"), parse_mapping("body:request_id=experiment")]
+    rules = [
+        parse_mapping("header:X-Request-Id=trajectory_id"),
+        parse_mapping("body:request_id=experiment"),
+    ]
     hints = MetadataResolver(rules).resolve(
         CIMultiDict({"X-Request-Id": "r1"}), [], {"request_id": "e1"}
     )

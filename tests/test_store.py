@@ -21,7 +21,9 @@ from trace_proxy.trajectories.record import (
 )
 
 
-def trajectory(step: int | None, sample: int, validate: bool = False, experiment: str = "e") -> Trajectory:
+def trajectory(
+    step: int | None, sample: int, validate: bool = False, experiment: str = "e"
+) -> Trajectory:
     call = GenerateCall(
         index=0, dialect="openai.chat", route="/v1/chat/completions", upstream="http://u",
         start=10.0, end=11.5, http_status=200,

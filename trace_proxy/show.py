@@ -56,7 +56,7 @@ def show(
         if limit is not None and shown >= limit:
             break
         out.write(_trajectory_header(record) + "\n")
-        for call, prompt in zip(record.get("calls") or [], expand_prompts(record)):
+        for call, prompt in zip(record.get("calls") or [], expand_prompts(record), strict=True):
             out.write(_call_line(call, prompt, width) + "\n")
         shown += 1
     out.write(f"{shown} trajectories, {events} step events under {root}\n")

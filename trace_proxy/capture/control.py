@@ -10,7 +10,7 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.capture.dialects.common import exchange_error, http_error
+from trace_proxy.capture.dialects.common import exchange_failure
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.trajectories.record import StepEvent
 
@@ -66,7 +66,7 @@ def parse_event(ex: Exchange, project: str, experiment: str) -> StepEvent:
         version = body.get("weight_version", body.get("new_version"))
         if isinstance(version, (str, int)) and not isinstance(version, bool):
             event.weight_version = str(version)
-    event.error = exchange_error(ex) or http_error(ex.status, ex.response_body)
+    event.error = exchange_failure(ex)
     return event
 
 

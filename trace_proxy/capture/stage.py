@@ -15,7 +15,7 @@ import orjson
 
 from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, ParsedCall, ParseError
-from trace_proxy.capture.dialects.common import exchange_error, http_error, new_call
+from trace_proxy.capture.dialects.common import exchange_failure, new_call
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
@@ -127,7 +127,7 @@ class CaptureStage:
         call = new_call(exchange, dialect, {})
         call.stream = bool(body.get("stream"))
         call.unparsed = reason
-        call.error = exchange_error(exchange) or http_error(exchange.status, exchange.response_body)
+        call.error = exchange_failure(exchange)
         return ParsedCall(call, body)
 
 

@@ -71,7 +71,9 @@ def run_tool(name: str, arguments: str) -> str:
     if name == "get_weather":
         city = str(args.get("city", "?"))
         temp = sum(map(ord, city)) % 30
-        return json.dumps({"city": city, "temp_c": temp, "sky": ["sunny", "cloudy", "rain"][temp % 3]})
+        return json.dumps(
+            {"city": city, "temp_c": temp, "sky": ["sunny", "cloudy", "rain"][temp % 3]}
+        )
     if name == "calculator":
         expression = str(args.get("expression", ""))
         return json.dumps({"expression": expression, "result": len(expression) * 7})
@@ -167,7 +169,9 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
     from trace_proxy.demo.tokenizer import load_qwen_tokenizer
 
     started = time.monotonic()
-    print("trace-proxy demo: loading the Qwen tokenizer (built offline on first use)...", flush=True)
+    print(
+        "trace-proxy demo: loading the Qwen tokenizer (built offline on first use)...", flush=True
+    )
     tokenizer = await asyncio.to_thread(load_qwen_tokenizer)
     simulator = SimulatedVLLM(tokenizer=tokenizer, model="qwen-sim", token_delay=0.001)
     sim_runner, upstream = await simulator.start()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import Callable
 
@@ -164,7 +165,7 @@ class Forwarder:
         cause: str,
         exc: BaseException,
     ) -> web.StreamResponse:
-        detail = _describe(exc, cause)
+        detail = _describe(exc)
         self._metrics.upstream_errors.labels(upstream.base, cause).inc()
         log.warning("%s %s -> %s: %s", request.method, request.path, upstream.base, detail)
         if response is not None:
@@ -197,11 +198,10 @@ _CAUSE_TEXT = {
 }
 
 
-def _describe(exc: BaseException, cause: str) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return exc.os_error.strerror or str(exc.os_error) if exc.os_error else str(exc)
-    text = str(exc)
-    return text or type(exc).__name__
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno:
+        return os.strerror(exc.os_error.errno)  # "Connection refused", not the socket repr
+    return str(exc) or type(exc).__name__
 
 
 def _client_gone(request: web.BaseRequest) -> bool:

@@ -55,11 +55,17 @@ def new_call(ex: Exchange, dialect: str, request: Mapping[str, Any]) -> Generate
     )
 
 
-def exchange_error(ex: Exchange) -> CallError | None:
-    """The transport failure, if any: upstream down, timeout, client gone."""
+def exchange_failure(ex: Exchange) -> CallError | None:
+    """The transport failure (upstream down, timeout, client gone), else the server's error."""
     if ex.error is not None:
         return CallError(type="transport", message=ex.error)
-    return None
+    if ex.status is None or ex.status < 400:
+        return None
+    try:
+        body: Any = orjson.loads(ex.response_body)
+    except orjson.JSONDecodeError:
+        body = ex.response_body[:MAX_ERROR_MESSAGE]
+    return http_error(ex.status, body)
 
 
 def http_error(status: int | None, body: Any) -> CallError | None:
@@ -235,16 +241,7 @@ class ChoiceStream:
 def fill_response(call: GenerateCall, ex: Exchange) -> Any:
     """Set errors common to every dialect; return the decoded JSON body of a non-stream 2xx
     response, or None when there is nothing more to read (error, stream handled by caller)."""
-    call.error = exchange_error(ex)
-    if ex.status is None:
-        return None
-    if ex.status >= 400:
-        try:
-            body: Any = orjson.loads(ex.response_body)
-        except orjson.JSONDecodeError:
-            body = ex.response_body[:MAX_ERROR_MESSAGE]
-        call.error = call.error or http_error(ex.status, body)
-        return None
-    if ex.is_event_stream:
+    call.error = exchange_failure(ex)
+    if ex.status is None or ex.status >= 400 or ex.is_event_stream:
         return None
     return load_json(ex.response_body)
