@@ -81,14 +81,18 @@ def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 def _launch(name: str, cmd: list[str], env: dict[str, str], server: RealServer) -> _Launched:
     """Start in a new session so that stopping can signal every child (vLLM's engine core)."""
     log_file = server.log_path.open("wb")
-    process = subprocess.Popen(
-        cmd,
-        stdin=subprocess.DEVNULL,
-        stdout=log_file,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-        start_new_session=True,
-    )
+    try:
+        process = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+            start_new_session=True,
+        )
+    except OSError:
+        log_file.close()
+        raise
     return _Launched(name, server, process, log_file, time.monotonic())
 
 
@@ -163,7 +167,8 @@ def _wait_healthy(launched: _Launched) -> RealServer:
             continue
         _fail(launched, f"exited with code {code} before becoming healthy")
     elapsed = time.monotonic() - launched.started_at
-    print(f"\n[real] {launched.name} healthy after {elapsed:.1f} s at {launched.server.base_url}")
+    url = launched.server.base_url
+    print(f"\n[real] {launched.name} healthy at {url} (first needed {elapsed:.1f} s after launch)")
     return launched.server
 
 

@@ -170,8 +170,14 @@ def _install_venv(spec: VenvSpec, venv: Path, log_path: Path) -> None:
     _run([sys.executable, "-m", "venv", str(venv)], log_path)
     python = venv / "bin" / "python"
     _run([*_pip(python), *_torch_index_args(), TORCH_REQUIREMENT], log_path)
+    torch_version = _installed_torch(python)
+    if "+cpu" not in torch_version:
+        _log(
+            f"{spec.name} venv: pip chose torch {torch_version}, not a CPU build (GBs of CUDA "
+            "wheels); set TRACE_PROXY_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
+        )
     constraints = venv / "constraints.txt"
-    constraints.write_text(f"torch=={_installed_torch(python)}\n")
+    constraints.write_text(f"torch=={torch_version}\n")
     _run([*_pip(python), "-c", str(constraints), *spec.packages], log_path)
     if spec.remove:
         _run([str(python), "-m", "pip", "uninstall", "-y", *spec.remove], log_path)
