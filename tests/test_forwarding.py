@@ -307,3 +307,31 @@ async def test_unparsable_body_is_forwarded_untouched_and_recorded_as_unparsed(
     [call] = t["calls"]
     assert call["unparsed"].startswith("request is not JSON")
     assert call["error"] == {"type": "http_400", "message": "bad json"}
+
+
+async def test_a_large_chunked_upload_is_streamed_and_still_recorded(tmp_path: Path) -> None:
+    prompt = list(range(100_000))
+    payload = orjson.dumps({"prompt": prompt, "max_tokens": 1})
+    seen: list[tuple[str | None, bytes]] = []
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        seen.append((request.headers.get("Transfer-Encoding"), await request.read()))
+        return web.json_response({"id": "c", "choices": [{"index": 0, "text": "!"}]})
+
+    async def chunks():  # type: ignore[no-untyped-def]
+        for start in range(0, len(payload), 65536):
+            yield payload[start : start + 65536]
+
+    async with (
+        scripted_upstream(upstream) as up,
+        running_proxy([up], tmp_path) as (_, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        async with session.post(
+            proxy + "/v1/completions", data=chunks(), headers={"X-Rollout-Trajectory-Id": "big"}
+        ) as resp:
+            assert resp.status == 200
+    assert seen == [("chunked", payload)]
+    [call] = all_calls(tmp_path)
+    assert call["prompt"]["token_ids"] == prompt
+    assert call["outputs"][0]["text"] == "!"

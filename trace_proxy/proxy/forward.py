@@ -11,11 +11,11 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 import orjson
-from aiohttp import web
+from aiohttp import StreamReader, web
 from yarl import URL
 
 from trace_proxy.capture.exchange import Exchange
@@ -30,6 +30,7 @@ from trace_proxy.proxy.headers import (
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
+STREAM_BODY_ABOVE = 256 * 1024  # bytes; below this, one read beats streaming
 
 
 class Forwarder:
@@ -93,10 +94,7 @@ class Forwarder:
         exchange: Exchange | None,
         start: float,
     ) -> web.StreamResponse:
-        # Not request.read(): that enforces a 1 MiB cap, and token-id prompts are larger.
-        body = await request.content.read() if request.body_exists else None
-        if exchange is not None and body:
-            exchange.request_body = body
+        body = await _request_body(request, exchange)
         headers = upstream_request_headers(
             list(request.headers.items()), request.remote, request.scheme, request.host
         )
@@ -189,6 +187,33 @@ class Forwarder:
         return web.Response(
             status=status, body=orjson.dumps(payload), content_type="application/json"
         )
+
+
+async def _request_body(
+    request: web.BaseRequest, exchange: Exchange | None
+) -> bytes | AsyncIterator[bytes] | None:
+    """A small body in one read (one write upstream); a large one streamed as it arrives, so
+    the upstream starts reading before the client has finished sending. Not `request.read()`:
+    that caps bodies at 1 MiB, and token-id prompts are larger."""
+    if not request.body_exists:
+        return None
+    length = request.content_length
+    if length is not None and length <= STREAM_BODY_ABOVE:
+        body = await request.content.read()
+        if exchange is not None:
+            exchange.request_body = body
+        return body
+    return _stream_body(request.content, exchange)
+
+
+async def _stream_body(content: StreamReader, exchange: Exchange | None) -> AsyncIterator[bytes]:
+    chunks: list[bytes] | None = [] if exchange is not None else None
+    async for chunk in content.iter_any():
+        if chunks is not None:
+            chunks.append(chunk)
+        yield chunk
+    if exchange is not None and chunks is not None:
+        exchange.request_body = b"".join(chunks)
 
 
 _CAUSE_TEXT = {
