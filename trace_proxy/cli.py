@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
@@ -63,13 +64,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "show":
         from trace_proxy.show import show
 
-        return show(
-            args["directory"],
-            step=args["step"],
-            experiment=args["experiment"],
-            limit=args["limit"],
-            width=args["width"],
-        )
+        try:
+            return show(
+                args["directory"],
+                step=args["step"],
+                experiment=args["experiment"],
+                limit=args["limit"],
+                width=args["width"],
+            )
+        except BrokenPipeError:  # `trace-proxy show DIR | head` is fine
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 0
     extra = {k: args.pop(k) for k in ("samples", "rollouts", "steps") if k in args}
     try:
         settings = resolve(command, args)
@@ -78,9 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"trace-proxy: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(
-        level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    # Our own messages at the chosen level; libraries' chatter only when it is a warning.
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trace_proxy").setLevel(settings.log_level)
     if command == "serve":
         return _run(_serve(settings))
     from trace_proxy.demo.run import run_demo

@@ -42,25 +42,63 @@ def show(
         print(f"trace-proxy: error: {root} is not a directory", file=sys.stderr)
         return 1
     shown = events = 0
-    for _, record in iter_records(root):
-        key = record.get("key") or {}
-        if experiment is not None and (key or record).get("experiment") != experiment:
-            continue
-        if record.get("record") == "event":
-            if step is None:
-                out.write(_event_line(record) + "\n")
-                events += 1
-            continue
-        if step is not None and key.get("step") != step:
-            continue
-        if limit is not None and shown >= limit:
-            break
-        out.write(_trajectory_header(record) + "\n")
-        for call, prompt in zip(record.get("calls") or [], expand_prompts(record), strict=True):
-            out.write(_call_line(call, prompt, width) + "\n")
-        shown += 1
+    for records in _by_experiment(root):
+        for record in _ordered(records):
+            key = record.get("key") or record
+            if experiment is not None and key.get("experiment") != experiment:
+                continue
+            if record.get("record") == "event":
+                if step is None:
+                    out.write(_event_line(record) + "\n")
+                    events += 1
+                continue
+            if step is not None and key.get("step") != step:
+                continue
+            if limit is not None and shown >= limit:
+                break
+            out.write(_trajectory_header(record) + "\n")
+            calls = record.get("calls") or []
+            for call, prompt in zip(calls, expand_prompts(record), strict=True):
+                out.write(_call_line(call, prompt, width) + "\n")
+            shown += 1
     out.write(f"{shown} trajectories, {events} step events under {root}\n")
     return 0
+
+
+def _by_experiment(root: Path) -> Iterator[list[dict[str, Any]]]:
+    """Records grouped by the directory (project/experiment) they are stored in."""
+    current: Path | None = None
+    group: list[dict[str, Any]] = []
+    for path, record in iter_records(root):
+        if path.parent != current and group:
+            yield group
+            group = []
+        current = path.parent
+        group.append(record)
+    if group:
+        yield group
+
+
+def _ordered(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trajectories by step, validation, sample and rollout; each step event after the step
+    during which it happened (the latest step whose trajectories started before it)."""
+
+    def position(t: dict[str, Any]) -> tuple[Any, ...]:
+        k = t.get("key") or {}
+        step = -1 if k.get("step") is None else k["step"]
+        sample = -1 if k.get("sample_index") is None else k["sample_index"]
+        rollout = -1 if k.get("rollout_n") is None else k["rollout_n"]
+        return (step, bool(k.get("validate")), sample, rollout, t.get("start") or 0)
+
+    trajectories = sorted((r for r in records if r.get("record") != "event"), key=position)
+    placed: list[tuple[tuple[Any, ...], int, dict[str, Any]]] = [
+        (position(t), 0, t) for t in trajectories
+    ]
+    for event in (r for r in records if r.get("record") == "event"):
+        before = [position(t)[0] for t in trajectories if (t.get("start") or 0) <= event["time"]]
+        step = max(before, default=-1)
+        placed.append(((step, True, float("inf"), float("inf"), event["time"]), 1, event))
+    return [record for *_, record in sorted(placed, key=lambda p: (p[0], p[1]))]
 
 
 def _trajectory_header(t: dict[str, Any]) -> str:

@@ -99,6 +99,7 @@ def ensure_qwen_tokenizer(out_dir: Path | None = None) -> Path:
 def load_qwen_tokenizer(out_dir: Path | None = None) -> Any:
     """The tokenizer as a transformers `PreTrainedTokenizerFast`, loaded offline."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # no "PyTorch was not found"
     from transformers import PreTrainedTokenizerFast
 
     path = ensure_qwen_tokenizer(out_dir)
