@@ -307,3 +307,40 @@ async def test_weight_updates_are_step_events_and_versions_reach_the_calls(
     assert recorded[1]["weight_version"] == "v7" and recorded[1]["experiment"] == "exp"
     [trajectory] = trajectories(tmp_path)
     assert trajectory["weight_versions"] == ["v7"]
+
+
+async def test_vllm_weight_version_spans_reach_every_dialect(
+    qwen_tokenizer: Any, start_fake: StartFake, tmp_path: Path
+) -> None:
+    upstream = await start_fake(FakeVLLM(qwen_tokenizer, deterministic=True))
+    requests = [
+        ("/v1/chat/completions", {**CHAT, "return_weight_versions": True}),
+        ("/v1/completions", {"model": "tiny-qwen", "prompt": [1, 2], "max_tokens": 3,
+                             "return_weight_versions": True}),
+        ("/inference/v1/generate", {"token_ids": [1, 2], "sampling_params": {"max_tokens": 3}}),
+    ]  # fmt: skip
+    async with running_proxy([upstream], tmp_path) as (_, proxy):
+        async with aiohttp.ClientSession() as session:
+            for path in ("/pause", "/start_weight_update"):
+                async with session.post(proxy + path) as response:
+                    assert response.status == 200
+            async with session.post(
+                proxy + "/finish_weight_update", json={"weight_version": "v3"}
+            ) as response:
+                assert response.status == 200
+            async with session.post(proxy + "/resume") as response:
+                assert response.status == 200
+            for stream in (False, True):
+                for i, (path, body) in enumerate(requests):
+                    async with session.post(
+                        proxy + path,
+                        json={**body, "stream": stream},
+                        headers={"X-Rollout-Trajectory-Id": f"{path}-{stream}-{i}"},
+                    ) as response:
+                        assert response.status == 200
+                        await response.read()
+    calls = all_calls(tmp_path)
+    assert len(calls) == 6
+    assert {c["weight_version"] for c in calls} == {"v3"}
+    finish = [e for e in events(tmp_path) if e["event"] == "weight_update_finish"]
+    assert finish[0]["weight_version"] == "v3"

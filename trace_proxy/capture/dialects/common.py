@@ -149,6 +149,23 @@ def outputs_by_index(outputs: dict[int, Output]) -> list[Output]:
     return [outputs[i] for i in sorted(outputs)]
 
 
+def weight_version_of(choice: Mapping[str, Any]) -> str | None:
+    """The policy version that produced the last tokens of a choice.
+
+    vLLM reports spans, `[{"version": "v3", "start": 0, "end": 12}, ...]`, one per weight
+    version seen while generating (a version can change mid-request); older builds a list of
+    strings. The last span's version is the one that finished the output.
+    """
+    versions = choice.get("weight_versions")
+    if isinstance(versions, list) and versions:
+        last = versions[-1]
+        version = last.get("version") if isinstance(last, dict) else last
+        return None if version is None else str(version)
+    if isinstance(versions, (str, int)) and not isinstance(versions, bool):
+        return str(versions)
+    return None
+
+
 def as_int_list(value: Any) -> list[int] | None:
     if isinstance(value, list) and all(
         isinstance(v, int) and not isinstance(v, bool) for v in value

@@ -20,6 +20,7 @@ from trace_proxy.capture.dialects.common import (
     normalize_tool_calls,
     stream_error,
     stream_events,
+    weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.trajectories.record import GenerateCall, Output
@@ -67,7 +68,7 @@ def _from_response(call: GenerateCall, body: Any) -> None:
                 reasoning=message.get("reasoning") or message.get("reasoning_content") or None,
             )
         )
-        call.weight_version = call.weight_version or _weight_version(choice)
+        call.weight_version = call.weight_version or weight_version_of(choice)
 
 
 def _from_stream(call: GenerateCall, ex: Exchange) -> None:
@@ -90,16 +91,7 @@ def _from_stream(call: GenerateCall, ex: Exchange) -> None:
                 delta.get("reasoning") or delta.get("reasoning_content"),
             )
             merged.add_tool_fragments(int(choice.get("index") or 0), delta.get("tool_calls"))
-            call.weight_version = call.weight_version or _weight_version(choice)
+            call.weight_version = call.weight_version or weight_version_of(choice)
     call.outputs = merged.outputs()
     if call.prompt.token_ids is None and merged.prompt_token_ids:
         call.prompt.token_ids = merged.prompt_token_ids[min(merged.prompt_token_ids)]
-
-
-def _weight_version(choice: Mapping[str, Any]) -> str | None:
-    versions = choice.get("weight_versions")
-    if isinstance(versions, list) and versions:
-        return str(versions[-1])
-    if isinstance(versions, (str, int)):
-        return str(versions)
-    return None

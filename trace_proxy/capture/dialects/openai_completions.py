@@ -19,6 +19,7 @@ from trace_proxy.capture.dialects.common import (
     new_call,
     stream_error,
     stream_events,
+    weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.trajectories.record import Output, Prompt
@@ -61,6 +62,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
         call.error = calls[0].error
     outputs: list[Output] = []
     prompt_ids: dict[int, list[int]] = {}
+    versions: dict[int, str | None] = {}
     if body is not None:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
             raise ParseError("response has no 'choices' list")
@@ -82,6 +84,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
             )
             if (ids := as_int_list(choice.get("prompt_token_ids"))) is not None:
                 prompt_ids[index] = ids
+            versions[index // n] = weight_version_of(choice) or versions.get(index // n)
     elif ex.is_event_stream and ex.status is not None and ex.status < 400:
         merged = ChoiceStream()
         for event in stream_events(ex):
@@ -96,6 +99,8 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
                     call.usage = event["usage"]
             for choice in event.get("choices") or ():
                 merged.add(choice, choice.get("text"))
+                owner = int(choice.get("index") or 0) // n
+                versions[owner] = weight_version_of(choice) or versions.get(owner)
         outputs = merged.outputs()
         prompt_ids = merged.prompt_token_ids
     for output in outputs:
@@ -107,4 +112,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
         owner = index // n
         if owner < len(calls) and calls[owner].prompt.token_ids is None:
             calls[owner].prompt.token_ids = ids
+    for owner, version in versions.items():
+        if owner < len(calls):
+            calls[owner].weight_version = version
     return [ParsedCall(call, request) for call in calls]

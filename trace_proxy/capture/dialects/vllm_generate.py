@@ -19,6 +19,7 @@ from trace_proxy.capture.dialects.common import (
     new_call,
     stream_error,
     stream_events,
+    weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.trajectories.record import Output
@@ -53,6 +54,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
                     stop_reason=choice.get("stop_reason"),
                 )
             )
+            call.weight_version = weight_version_of(choice) or call.weight_version
     elif ex.is_event_stream and ex.status is not None and ex.status < 400:
         merged = ChoiceStream()
         for event in stream_events(ex):
@@ -65,5 +67,6 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
                 call.usage = event["usage"]
             for choice in event.get("choices") or ():
                 merged.add(choice, None)
+                call.weight_version = weight_version_of(choice) or call.weight_version
         call.outputs = merged.outputs()
     return [ParsedCall(call, request)]
