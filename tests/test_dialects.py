@@ -344,3 +344,33 @@ async def test_vllm_weight_version_spans_reach_every_dialect(
     assert {c["weight_version"] for c in calls} == {"v3"}
     finish = [e for e in events(tmp_path) if e["event"] == "weight_update_finish"]
     assert finish[0]["weight_version"] == "v3"
+
+
+async def test_path_prefix_and_baggage_through_the_proxy(
+    qwen_tokenizer: Any, start_fake: StartFake, tmp_path: Path
+) -> None:
+    fake = FakeVLLM(qwen_tokenizer, deterministic=True)
+    upstream = await start_fake(fake)
+    async with running_proxy([upstream], tmp_path) as (_, proxy):
+        # A client that can only set a base URL.
+        client = AsyncOpenAI(
+            base_url=proxy + "/rollout/experiment=grpo/step=5/sample_index=2/n=1/v1", api_key="x"
+        )
+        await client.chat.completions.create(model="tiny-qwen", messages=CHAT["messages"])  # type: ignore[arg-type]
+        await client.close()
+        # A client that propagates W3C baggage.
+        async with aiohttp.ClientSession() as session:
+            baggage = "rollout.experiment=grpo,rollout.step=5,rollout.sample_index=3,rollout.n=0"
+            async with session.post(
+                proxy + "/v1/completions",
+                json={"model": "tiny-qwen", "prompt": [1, 2, 3], "max_tokens": 2},
+                headers={"baggage": baggage},
+            ) as response:
+                assert response.status == 200
+    assert [r.path for r in fake.requests] == ["/v1/chat/completions", "/v1/completions"]
+    by_sample = {t["key"]["sample_index"]: t for t in trajectories(tmp_path)}
+    path_key, baggage_key = by_sample[2]["key"], by_sample[3]["key"]
+    assert (path_key["experiment"], path_key["step"], path_key["rollout_n"]) == ("grpo", 5, 1)
+    assert path_key["sources"]["step"] == "path"
+    assert (baggage_key["step"], baggage_key["rollout_n"]) == (5, 0)
+    assert baggage_key["sources"]["step"] == "baggage:rollout.step"
