@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -167,11 +168,15 @@ def weight_version_of(choice: Mapping[str, Any]) -> str | None:
 
 
 def as_int_list(value: Any) -> list[int] | None:
-    if isinstance(value, list) and all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
-        return value
-    return None
+    """`value` if it is a list of integers (token ids), else None; checked in C, since prompts
+    run to tens of thousands of ids."""
+    if not isinstance(value, list):
+        return None
+    try:
+        array("q", value)
+    except (TypeError, OverflowError):
+        return None
+    return value
 
 
 class ChoiceStream:
