@@ -103,10 +103,15 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
 async def _serve(settings: Settings) -> int:
     from trace_proxy.proxy.service import ProxyService
+    from trace_proxy.trajectories.token2text import TokenizerError
 
     service = ProxyService(settings)
     try:
         addresses = await service.start()
+    except TokenizerError as exc:
+        print(f"trace-proxy: error: invalid value for --tokenizer: {exc}", file=sys.stderr)
+        await service.stop()
+        return EXIT_USAGE
     except OSError as exc:
         print(f"trace-proxy: error: cannot listen on {settings.host}:{settings.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip

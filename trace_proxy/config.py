@@ -96,6 +96,43 @@ def parse_upstream(value: Any) -> str:
     return url
 
 
+def parse_flag(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{value!r} is not true or false")
+
+
+def parse_tokenizer(value: Any) -> str:
+    """`PATH_OR_NAME`, or `MODEL=PATH_OR_NAME` when several models are served."""
+    text = parse_str(value)
+    model, eq, source = text.partition("=")
+    if eq and (not model or not source):
+        raise ValueError(f"{text!r} is not PATH or MODEL=PATH")
+    return text
+
+
+def parse_tool_route(value: Any) -> str:
+    """`PREFIX=URL`: requests to /PREFIX/... go to that tool server."""
+    text = parse_str(value)
+    prefix, eq, url = text.partition("=")
+    if not eq or not re.fullmatch(r"[A-Za-z0-9._-]+", prefix):
+        raise ValueError(f"{text!r} is not PREFIX=URL with a simple PREFIX (letters, digits, ._-)")
+    return f"{prefix}={parse_upstream(url)}"
+
+
+def _tool_parser(value: Any) -> str:
+    from trace_proxy.trajectories.toolparsers import get_parser
+
+    name = parse_str(value)
+    get_parser(name)
+    return name
+
+
 def parse_log_level(value: Any) -> str:
     level = parse_str(value).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -119,6 +156,7 @@ class Option:
     default: Any
     help: str
     multiple: bool = False  # a list: repeat the flag, or comma-separate in env/file
+    switch: bool = False  # `--name` alone turns it on
     metavar: str | None = None
     commands: tuple[str, ...] = ("serve",)
 
@@ -177,6 +215,21 @@ OPTIONS: tuple[Option, ...] = (
            "take a key field from what clients already send: SOURCE:NAME=FIELD or "
            "SOURCE:NAME=/REGEX with named groups/; SOURCE is header or body (repeatable)",
            multiple=True, metavar="RULE"),
+    Option("token2text", parse_flag, False, "decode token ids to text (prompt_text, "
+           "response_text, transcript) for recorded trajectories, off the forwarding path",
+           switch=True, commands=("serve", "demo")),
+    Option("tokenizer", parse_tokenizer, [], "tokenizer for token2text: a local path or a name "
+           "in the Hugging Face cache, or MODEL=PATH per served model (repeatable; default: ask "
+           "the upstream for its model path)", multiple=True, metavar="PATH",
+           commands=("serve", "demo")),
+    Option("skip_special_tokens", parse_flag, False, "drop special tokens from decoded text "
+           "(kept by default, as verl does)", switch=True, commands=("serve", "demo")),
+    Option("tool_parser", _tool_parser, "hermes", "how tool calls are written in decoded text: "
+           "hermes (Qwen2.5/Qwen3), qwen3_coder or gpt_oss", metavar="NAME",
+           commands=("serve", "demo")),
+    Option("tool_route", parse_tool_route, [], "forward /PREFIX/... to an HTTP tool server and "
+           "record each call as a tool span: PREFIX=URL (repeatable)", multiple=True,
+           metavar="PREFIX=URL"),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
            "are counted as dropped", metavar="N"),
     Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
@@ -203,6 +256,11 @@ class Settings:
     idle_timeout: float = 300.0
     shutdown_grace: float = 30.0
     map: list[str] = field(default_factory=lambda: ["header:X-Session-ID=trajectory_id"])
+    token2text: bool = False
+    tokenizer: list[str] = field(default_factory=list)
+    skip_special_tokens: bool = False
+    tool_parser: str = "hermes"
+    tool_route: list[str] = field(default_factory=list)
     capture_queue: int = 10000
     log_level: str = "INFO"
 
@@ -215,6 +273,12 @@ def add_options(parser: argparse.ArgumentParser, command: str) -> None:
         default = opt.default
         shown = ",".join(map(str, default)) if isinstance(default, list) else default
         help_text = f"{opt.help} [env {opt.env}; default: {shown if shown != [] else 'none'}]"
+        if opt.switch:
+            parser.add_argument(
+                opt.flag, dest=opt.name, action="store_const", const=True,
+                default=argparse.SUPPRESS, help=help_text,
+            )  # fmt: skip
+            continue
         parser.add_argument(
             opt.flag,
             dest=opt.name,
@@ -266,7 +330,8 @@ def _parse(opt: Option, raw: Any, where: str) -> Any:
         else:
             raise ConfigError(f"invalid value for {where}: expected a list")
         # A comma-separated value is a list too, except for rules that may hold commas.
-        split = [p for it in items for p in (_split_commas(it) if opt.name != "map" else [it])]
+        whole = opt.name in ("map", "tokenizer")  # values that may themselves hold commas
+        split = [p for it in items for p in ([it] if whole else _split_commas(it))]
         try:
             return [opt.parse(p) for p in split]
         except ValueError as exc:

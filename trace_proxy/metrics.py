@@ -51,6 +51,12 @@ class Metrics:
             ["dialect"],
             registry=r,
         )
+        self.tool_calls_recorded = Counter(
+            "trace_proxy_tool_calls_recorded",
+            "Tool-server calls recorded, by route",
+            ["route"],
+            registry=r,
+        )
         self.events_recorded = Counter(
             "trace_proxy_step_events",
             "Step events recorded, by event",
@@ -61,6 +67,12 @@ class Metrics:
             "trace_proxy_trajectories_closed",
             "Trajectories closed, by reason",
             ["reason"],
+            registry=r,
+        )
+        self.inference_evicted = Counter(
+            "trace_proxy_inference_evicted",
+            "Contexts of keyless trajectories forgotten to bound memory (a later continuation "
+            "then starts a new trajectory)",
             registry=r,
         )
         self.open_trajectories = Gauge(
@@ -89,6 +101,18 @@ class Metrics:
             "trace_proxy_export_dropped",
             "Records not exported, by backend and reason",
             ["backend", "reason"],
+            registry=r,
+        )
+        self.processing_errors = Counter(
+            "trace_proxy_processing_errors",
+            "Batches a processor failed on (exported as is)",
+            ["processor"],
+            registry=r,
+        )
+        self.token2text_skipped = Counter(
+            "trace_proxy_token2text_skipped",
+            "Trajectories exported without decoded text, by reason",
+            ["reason"],
             registry=r,
         )
         self.export_queue = Gauge(

@@ -58,8 +58,15 @@ def show(
                 break
             out.write(_trajectory_header(record) + "\n")
             calls = record.get("calls") or []
+            tools_after: dict[int | None, list[dict[str, Any]]] = {}
+            for tool in record.get("tools") or []:
+                tools_after.setdefault(tool.get("requested_by"), []).append(tool)
+            for tool in tools_after.pop(None, []):
+                out.write(_tool_line(tool, width) + "\n")
             for call, prompt in zip(calls, expand_prompts(record), strict=True):
                 out.write(_call_line(call, prompt, width) + "\n")
+                for tool in tools_after.get(call.get("index"), []):
+                    out.write(_tool_line(tool, width) + "\n")
             shown += 1
     out.write(f"{shown} trajectories, {events} step events under {root}\n")
     return 0
@@ -138,13 +145,28 @@ def _call_line(call: dict[str, Any], prompt: dict[str, Any], width: int) -> str:
     return line
 
 
+def _tool_line(tool: dict[str, Any], width: int) -> str:
+    start, end = tool.get("start") or 0, tool.get("end")
+    took = f"{end - start:6.2f}s" if end is not None else "   ?   "
+    how = {"chat_tool_calls": "tool", "parsed_from_text": "tool (text)"}.get(
+        tool.get("observed", ""), f"tool {tool.get('route') or ''}".strip()
+    )
+    if tool.get("raw") is not None:
+        return f"     {how:<24} {took}  unparsed: {_clip(tool['raw'], width // 2)!r}"
+    called = _clip(f"{tool.get('name')}({tool.get('arguments') or ''})", width // 2)
+    result = "(no result seen)" if tool.get("result") is None else repr(tool["result"])
+    flag = "  !! tool error" if (tool.get("error") or {}).get("type") == "tool_error" else ""
+    return f"     {how:<24} {took}  {called} => {_clip(result, width // 2)}{flag}"
+
+
 def _asked(call: dict[str, Any], prompt: dict[str, Any]) -> str:
-    if call.get("prompt_text"):
-        return repr(call["prompt_text"][-200:])
+    """The newest message (chat), else the end of the decoded prompt, text, or a token count."""
     messages = prompt.get("messages")
     if messages:
         last = messages[-1]
         return f"{last.get('role')}: {_message_text(last)!r}"
+    if call.get("prompt_text"):
+        return "…" + repr(call["prompt_text"][-200:])
     if prompt.get("text") is not None:
         return repr(prompt["text"])
     ids = prompt.get("token_ids") or []
@@ -158,7 +180,9 @@ def _answered(call: dict[str, Any]) -> str:
     rendered = []
     for output in outputs:
         pieces = []
-        text = output.get("response_text") or output.get("text")
+        text = output.get("text") or (
+            None if output.get("tool_calls") else output.get("response_text")
+        )
         if text:
             pieces.append(repr(text))
         for tool in output.get("tool_calls") or []:

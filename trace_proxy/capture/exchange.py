@@ -27,6 +27,7 @@ class Exchange:
     first_byte: float | None = None
     end: float | None = None
     error: str | None = None  # why the exchange did not complete normally
+    tool_route: str | None = None  # the --tool-route prefix, for tool-server calls
 
     @property
     def response_body(self) -> bytes:

@@ -11,6 +11,7 @@ from trace_proxy.capture.dialects import DIALECTS
 class RouteKind(str, Enum):
     GENERATE = "generate"
     CONTROL = "control"
+    TOOL = "tool"  # a tool server routed through the proxy (--tool-route)
     OTHER = "other"
 
 

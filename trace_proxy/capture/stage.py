@@ -21,6 +21,7 @@ from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.record import ToolCall
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,9 @@ class CaptureStage:
             self._metrics.events_recorded.labels(event.event).inc()
             self._assembler.add_event(event)
             return
+        if exchange.tool_route is not None:
+            self._tool_call(exchange)
+            return
         if kind is not RouteKind.GENERATE:
             return
         dialect, parser = DIALECTS[exchange.path]
@@ -121,6 +125,24 @@ class CaptureStage:
             self._assembler.add_call(hints, item.call)
         self._metrics.open_trajectories.set(self._assembler.open_count)
 
+    def _tool_call(self, exchange: Exchange) -> None:
+        tool = ToolCall(
+            index=-1,
+            observed="http_tool_server",
+            start=exchange.start,
+            end=exchange.end,
+            name=exchange.tool_route,
+            arguments=_text(exchange.request_body),
+            result=_text(exchange.response_body),
+            error=exchange_failure(exchange),
+            route=exchange.path,
+            upstream=exchange.upstream,
+            http_status=exchange.status,
+        )
+        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
+        self._metrics.tool_calls_recorded.labels(exchange.tool_route or "").inc()
+        self._assembler.add_tool(hints, tool)
+
     @staticmethod
     def _unparsed(exchange: Exchange, dialect: str, request: Any, reason: str) -> ParsedCall:
         body = request if isinstance(request, dict) else {}
@@ -129,6 +151,17 @@ class CaptureStage:
         call.unparsed = reason
         call.error = exchange_failure(exchange)
         return ParsedCall(call, body)
+
+
+MAX_TOOL_TEXT = 1 << 20
+
+
+def _text(body: bytes) -> str | None:
+    """A tool server's body as text, capped: tool outputs can be whole files."""
+    if not body:
+        return None
+    text = body[:MAX_TOOL_TEXT].decode("utf-8", "replace")
+    return text if len(body) <= MAX_TOOL_TEXT else text + f"... [{len(body)} bytes in all]"
 
 
 def _reason(exc: Exception) -> str:

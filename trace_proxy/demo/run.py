@@ -166,7 +166,7 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
     from openai import AsyncOpenAI
 
     from trace_proxy.demo.simulated_vllm import SimulatedVLLM
-    from trace_proxy.demo.tokenizer import load_qwen_tokenizer
+    from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer, load_qwen_tokenizer
 
     started = time.monotonic()
     print(
@@ -175,7 +175,14 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
     tokenizer = await asyncio.to_thread(load_qwen_tokenizer)
     simulator = SimulatedVLLM(tokenizer=tokenizer, model="qwen-sim", token_delay=0.001)
     sim_runner, upstream = await simulator.start()
-    settings = dataclasses.replace(settings, upstream=[upstream], port=0, admin_port=0)
+    settings = dataclasses.replace(
+        settings,
+        upstream=[upstream],
+        port=0,
+        admin_port=0,
+        token2text=True,  # the demo has its tokenizer at hand: show the decoded text too
+        tokenizer=settings.tokenizer or [str(ensure_qwen_tokenizer())],
+    )
     service = ProxyService(settings)
     addresses = await service.start()
     print(f"  simulated vLLM at {upstream}; trace-proxy at {addresses.proxy}", flush=True)

@@ -11,6 +11,15 @@ from typing import Protocol
 from trace_proxy.trajectories.record import Record
 
 
+class Processor(Protocol):
+    """Enriches records once, before they fan out to the backends (e.g. token2text)."""
+
+    name: str
+
+    def process(self, records: list[Record]) -> None:
+        """Mutate the records in place; blocking is fine (runs in its own thread)."""
+
+
 class Exporter(Protocol):
     name: str
 

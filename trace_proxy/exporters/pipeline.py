@@ -1,8 +1,10 @@
 """Gives every backend the same queue, worker thread, batching, retry and accounting.
 
-Each exporter gets its own bounded queue and its own thread, so a slow or dead backend never
-slows the proxy or another backend. A record is exported, still queued, or counted as dropped
-with a reason (`queue_full`, `export_failed`); nothing disappears silently.
+Records first pass the processors (token2text) in one thread of their own, once for all
+backends; then each exporter gets its own bounded queue and its own thread, so a slow or dead
+backend never slows the proxy or another backend. A record is exported, still queued, or
+counted as dropped with a reason (`queue_full`, `export_failed`); nothing disappears silently.
+A processor that fails leaves the record as it was and it is exported all the same.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from trace_proxy.exporters.base import Exporter
+from trace_proxy.exporters.base import Exporter, Processor
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.record import Record
 
@@ -34,6 +36,7 @@ class ExportPipeline:
         exporters: list[Exporter],
         metrics: Metrics,
         *,
+        processors: list[Processor] | None = None,
         queue_size: int = 10_000,
         batch_size: int = 64,
         max_attempts: int = 5,
@@ -41,6 +44,10 @@ class ExportPipeline:
     ) -> None:
         self._metrics = metrics
         self._lanes = [_Lane(e, queue_size) for e in exporters]
+        self._processors = list(processors or [])
+        self._inbox: asyncio.Queue[Record] = asyncio.Queue(maxsize=queue_size)
+        self._process_thread = ThreadPoolExecutor(1, thread_name_prefix="export-process")
+        self._process_task: asyncio.Task[None] | None = None
         self._batch_size = batch_size
         self._max_attempts = max_attempts
         self._backoff = backoff
@@ -49,12 +56,44 @@ class ExportPipeline:
     def backends(self) -> list[str]:
         return [lane.exporter.name for lane in self._lanes]
 
+    def add_processor(self, processor: Processor) -> None:
+        self._processors.append(processor)
+
     def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._process_task = loop.create_task(self._process())
         for lane in self._lanes:
-            lane.task = asyncio.get_running_loop().create_task(self._work(lane))
+            lane.task = loop.create_task(self._work(lane))
 
     def submit(self, record: Record) -> None:
-        """Never blocks: a full queue drops the record for that backend, counted."""
+        """Never blocks: a full queue drops the record, counted per backend."""
+        try:
+            self._inbox.put_nowait(record)
+        except asyncio.QueueFull:
+            for lane in self._lanes:
+                self._metrics.export_dropped.labels(lane.exporter.name, "queue_full").inc()
+            log.warning("processing queue is full: a record was dropped")
+
+    async def _process(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = [await self._inbox.get()]
+            while len(batch) < self._batch_size and not self._inbox.empty():
+                batch.append(self._inbox.get_nowait())
+            try:
+                for processor in self._processors:
+                    try:
+                        await loop.run_in_executor(self._process_thread, processor.process, batch)
+                    except Exception:
+                        self._metrics.processing_errors.labels(processor.name).inc()
+                        log.exception("processor %s failed; exporting as is", processor.name)
+                for record in batch:
+                    self._fan_out(record)
+            finally:
+                for _ in batch:
+                    self._inbox.task_done()
+
+    def _fan_out(self, record: Record) -> None:
         for lane in self._lanes:
             name = lane.exporter.name
             try:
@@ -67,10 +106,14 @@ class ExportPipeline:
 
     async def flush(self) -> None:
         """Wait until everything submitted so far is exported or counted as dropped."""
+        await self._inbox.join()
         await asyncio.gather(*(lane.queue.join() for lane in self._lanes))
 
     async def close(self) -> None:
         await self.flush()
+        if self._process_task is not None:
+            self._process_task.cancel()
+        self._process_thread.shutdown(wait=True)
         loop = asyncio.get_running_loop()
         for lane in self._lanes:
             if lane.task is not None:

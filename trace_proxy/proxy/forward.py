@@ -42,7 +42,9 @@ class Forwarder:
         submit: Callable[[Exchange], None],
         metrics: Metrics,
         timeout: aiohttp.ClientTimeout,
+        tool_routes: dict[str, Upstream] | None = None,
     ) -> None:
+        self._tool_routes = tool_routes or {}
         self._pool = pool
         self._session = session
         self._resolver = resolver
@@ -59,11 +61,20 @@ class Forwarder:
         if target.startswith(PATH_PREFIX):
             target, path_items = split_rollout_prefix(target)
         path, _, query = target.partition("?")
-        kind = classify(request.method, path)
-        affinity = (
-            self._resolver.affinity_key(request.headers, path_items) if self._pool.sticky else ""
-        )
-        upstream = self._pool.acquire(affinity)
+        tool_prefix = path[1:].split("/", 1)[0] if self._tool_routes else ""
+        if tool_prefix in self._tool_routes:
+            kind = RouteKind.TOOL
+            upstream = self._tool_routes[tool_prefix]
+            upstream.in_flight += 1
+            target = "/" + target[len(tool_prefix) + 1 :].lstrip("/")
+            path = target.partition("?")[0]
+        else:
+            tool_prefix = ""
+            kind = classify(request.method, path)
+            affinity = ""
+            if self._pool.sticky:
+                affinity = self._resolver.affinity_key(request.headers, path_items)
+            upstream = self._pool.acquire(affinity)
         in_flight = self._metrics.in_flight.labels(upstream.base)
         in_flight.inc()
         exchange = None
@@ -76,6 +87,7 @@ class Forwarder:
                 path_metadata=path_items,
                 upstream=upstream.base,
                 start=start,
+                tool_route=tool_prefix or None,
             )
         try:
             return await self._forward(request, upstream, target, kind, exchange, start)

@@ -8,6 +8,7 @@ trajectory, export or count everything, then close the upstream connections.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from dataclasses import dataclass
@@ -25,8 +26,12 @@ from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.pipeline import ExportPipeline
 from trace_proxy.metrics import Metrics
 from trace_proxy.proxy.forward import Forwarder
-from trace_proxy.proxy.upstreams import UpstreamPool
+from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.discovery import discover_tokenizers
+from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.token2text import Token2Text, load_configured
+from trace_proxy.trajectories.toolparsers import get_parser
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,7 @@ class ProxyService:
             experiment=settings.experiment,
             idle_timeout=settings.idle_timeout,
             on_close=lambda reason: self.metrics.trajectories_closed.labels(reason).inc(),
+            inference=TrafficInference(on_evict=self.metrics.inference_evicted.inc),
         )
         self.capture = CaptureStage(
             self.resolver,
@@ -64,13 +70,30 @@ class ProxyService:
             queue_size=settings.capture_queue,
             idle_check_interval=min(settings.idle_timeout / 4, 5.0),
         )
+        self.tool_routes = {
+            prefix: Upstream(url)
+            for prefix, _, url in (route.partition("=") for route in settings.tool_route)
+        }
+        self.token2text: Token2Text | None = None
+        self.tokenizer_discovery: asyncio.Task[None] | None = None  # ends once upstreams answered
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.addresses: Addresses | None = None
 
     async def start(self) -> Addresses:
+        """Raises TokenizerError (a configured tokenizer cannot be loaded) or OSError (listen)."""
         settings = self.settings
+        if settings.token2text:
+            tokenizers = await asyncio.to_thread(
+                load_configured, settings.tokenizer, settings.skip_special_tokens
+            )
+            self.token2text = Token2Text(
+                tokenizers,
+                get_parser(settings.tool_parser),
+                on_skip=lambda reason: self.metrics.token2text_skipped.labels(reason).inc(),
+            )
+            self.pipeline.add_processor(self.token2text)
         connector = aiohttp.TCPConnector(
             limit=0, keepalive_timeout=60, ttl_dns_cache=300, enable_cleanup_closed=True
         )
@@ -84,8 +107,23 @@ class ProxyService:
             total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
         )
         forwarder = Forwarder(
-            self.pool, self._session, self.resolver, self.capture.submit, self.metrics, timeout
+            self.pool,
+            self._session,
+            self.resolver,
+            self.capture.submit,
+            self.metrics,
+            timeout,
+            tool_routes=self.tool_routes,
         )
+        if self.token2text is not None and self.token2text.tokenizers.empty:
+            self.tokenizer_discovery = asyncio.get_running_loop().create_task(
+                discover_tokenizers(
+                    self._session,
+                    settings.upstream,
+                    self.token2text.tokenizers,
+                    settings.skip_special_tokens,
+                )
+            )
         self.pipeline.start()
         self.capture.start()
         server = web.Server(
@@ -110,6 +148,8 @@ class ProxyService:
         return self.addresses
 
     async def stop(self) -> None:
+        if self.tokenizer_discovery is not None:
+            self.tokenizer_discovery.cancel()
         if self._runner is not None:
             await self._runner.cleanup()  # stops accepting, then waits for in-flight requests
         await self.capture.stop()

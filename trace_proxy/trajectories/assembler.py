@@ -17,15 +17,19 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
 from trace_proxy.capture.metadata import KeyHints
+from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.prompts import share_prefixes
 from trace_proxy.trajectories.record import (
     GenerateCall,
     Record,
     RolloutKey,
     StepEvent,
+    ToolCall,
     Trajectory,
 )
+from trace_proxy.trajectories.tools import chat_tool_spans
 
 
 @dataclass
@@ -35,6 +39,7 @@ class _Open:
     part: int
     last_activity: float
     calls: list[GenerateCall] = field(default_factory=list)
+    tools: list[ToolCall] = field(default_factory=list)  # seen directly (HTTP tool servers)
     annotations: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -49,7 +54,9 @@ class Assembler:
         max_open: int = 100_000,
         on_close: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        inference: TrafficInference | None = None,
     ) -> None:
+        self._inference = inference
         self._emit = emit
         self._project = project
         self._experiment = experiment
@@ -67,13 +74,47 @@ class Assembler:
 
     def add_call(self, hints: KeyHints, call: GenerateCall) -> None:
         key = self._key(hints)
+        placement = None
+        if self._identity(key) is None and self._inference is not None:
+            placement = self._inference.place(key, call)
+        trajectory = self._attach(key, hints)
+        if trajectory is None:
+            single = self._new(key, hints)
+            single.calls.append(call)
+            self._finish(single, "single_call")
+            return
+        if placement is not None and placement.resumed and trajectory.calls:
+            merge_resumed(max(trajectory.calls, key=lambda c: c.start), call)
+        else:
+            trajectory.calls.append(call)
+        if hints.values.get("done") is True:
+            identity = self._identity(trajectory.key)
+            del self._open[identity]
+            self._close(trajectory, "done")
+
+    def add_tool(self, hints: KeyHints, tool: ToolCall) -> None:
+        """A tool call seen directly (an HTTP tool server routed through the proxy)."""
+        key = self._key(hints)
+        trajectory = self._attach(key, hints)
+        if trajectory is None:
+            single = self._new(key, hints)
+            single.tools.append(tool)
+            self._finish(single, "single_call")
+            return
+        trajectory.tools.append(tool)
+
+    def _new(self, key: RolloutKey, hints: KeyHints, part: int = 1) -> _Open:
+        return _Open(
+            uuid.uuid4().hex, key, part, self._clock(), annotations=list(hints.annotations)
+        )
+
+    def _attach(self, key: RolloutKey, hints: KeyHints) -> _Open | None:
+        """The open trajectory `key` names, opened if new; None when it names none."""
         identity = self._identity(key)
         now = self._clock()
         self._close_older_steps(key)
         if identity is None:
-            single = _Open(uuid.uuid4().hex, key, 1, now, [call], list(hints.annotations))
-            self._finish(single, "single_call")
-            return
+            return None
         trajectory = self._open.get(identity)
         if trajectory is None:
             part = self._parts.pop(identity, 0) + 1
@@ -85,14 +126,13 @@ class Assembler:
         else:
             self._open.move_to_end(identity)
             _fill_missing(trajectory.key, key)
-        trajectory.calls.append(call)
         trajectory.annotations.extend(hints.annotations)
         trajectory.last_activity = now
-        if hints.values.get("done") is True:
-            del self._open[identity]
-            self._close(trajectory, "done")
+        return trajectory
 
     def add_event(self, event: StepEvent) -> None:
+        if event.event in WEIGHT_UPDATE_EVENTS and self._inference is not None:
+            self._inference.weight_update(event.project, event.experiment)
         self._emit(event)
 
     def close_idle(self) -> None:
@@ -176,6 +216,9 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
     calls = sorted(open_.calls, key=lambda c: c.start)
     for index, call in enumerate(calls):
         call.index = index
+    tools = sorted([*open_.tools, *chat_tool_spans(calls)], key=lambda t: t.start)
+    for index, tool in enumerate(tools):
+        tool.index = index
     prompt_tokens = completion_tokens = 0
     for call in calls:  # before prefix sharing shortens the stored prompts
         usage = call.usage or {}
@@ -185,14 +228,17 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
         )
     share_prefixes(calls)
     errors = sum(1 for c in calls if c.error is not None)
+    times = [c.start for c in calls] + [t.start for t in tools]
+    ends = [c.end or c.start for c in calls] + [t.end or t.start for t in tools]
     return Trajectory(
         id=open_.id,
         key=open_.key,
-        start=calls[0].start,
-        end=max((c.end or c.start) for c in calls),
+        start=min(times),
+        end=max(ends),
         status="error" if errors else "ok",
         close_reason=reason,
         calls=calls,
+        tools=tools,
         upstreams=list(dict.fromkeys(c.upstream for c in calls)),
         weight_versions=[v for v in dict.fromkeys(c.weight_version for c in calls) if v],
         annotations=open_.annotations,
@@ -201,10 +247,38 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
             "calls": len(calls),
             "errors": errors,
             "unparsed": sum(1 for c in calls if c.unparsed is not None),
+            "tool_calls": len(tools),
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
         },
     )
+
+
+def merge_resumed(target: GenerateCall, call: GenerateCall) -> None:
+    """One logical generate from an interrupted call and its resumption (AReaL): outputs
+    concatenated, each HTTP call kept in `segments`."""
+    if target.segments is None:
+        target.segments = [_segment(target)]
+    target.segments.append(_segment(call))
+    for output, more in zip(target.outputs, call.outputs, strict=False):
+        output.token_ids = [*(output.token_ids or []), *(more.token_ids or [])] or None
+        output.text = ((output.text or "") + (more.text or "")) or None
+        if output.logprobs is not None or more.logprobs is not None:
+            output.logprobs = [*(output.logprobs or []), *(more.logprobs or [])]
+        output.finish_reason, output.stop_reason = more.finish_reason, more.stop_reason
+    target.end, target.http_status, target.error = call.end, call.http_status, call.error
+    if target.usage is not None and call.usage is not None:
+        done = int(target.usage.get("completion_tokens") or 0)
+        target.usage["completion_tokens"] = done + int(call.usage.get("completion_tokens") or 0)
+    target.weight_version = call.weight_version or target.weight_version
+
+
+def _segment(call: GenerateCall) -> dict[str, Any]:
+    finish = call.outputs[0].finish_reason if call.outputs else None
+    return {
+        "start": call.start, "end": call.end, "request_id": call.request_id,
+        "http_status": call.http_status, "finish_reason": finish,
+    }  # fmt: skip
 
 
 def _fill_missing(target: RolloutKey, source: RolloutKey) -> None:

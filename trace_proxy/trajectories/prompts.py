@@ -105,3 +105,21 @@ def expand_prompts(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
             prompt["prefix_len"] = None
         full.append(prompt)
     return full
+
+
+def full_token_ids(calls: list[GenerateCall]) -> list[list[int] | None]:
+    """Full prompt token ids of every call, undoing prefix sharing (the record's own form)."""
+    full: list[list[int] | None] = []
+    for call in calls:
+        prompt = call.prompt
+        ref, lengths = prompt.prefix_call, prompt.prefix_len or {}
+        if prompt.token_ids is None:
+            full.append(None)
+        elif ref is None or "token_ids" not in lengths or full[ref] is None:
+            full.append(list(prompt.token_ids))
+        else:
+            base = calls[ref]
+            first = base.outputs[0].token_ids if base.outputs else None
+            context = [*(full[ref] or []), *(first or [])]
+            full.append(context[: lengths["token_ids"]] + prompt.token_ids)
+    return full

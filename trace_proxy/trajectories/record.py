@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import orjson
 
-SCHEMA_VERSION = "trace-proxy.trajectory/1"
+SCHEMA_VERSION = "trace-proxy.trajectory/2"
 KEY_FIELDS = ("experiment", "step", "sample_index", "rollout_n", "validate", "trajectory_id")
 
 
@@ -26,6 +26,7 @@ class RolloutKey:
     rollout_n: int | None = None
     validate: bool | None = None
     trajectory_id: str | None = None
+    sample_hash: str | None = None  # inferred groups: hash of the first prompt
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -59,6 +60,7 @@ class Output:
     stop_reason: Any = None
     tool_calls: list[dict[str, Any]] | None = None
     reasoning: str | None = None
+    response_text: str | None = None  # token2text: the decoded token_ids
 
 
 @dataclass(slots=True)
@@ -90,7 +92,37 @@ class GenerateCall:
     error: CallError | None = None
     unparsed: str | None = None
     request_headers: dict[str, str] = field(default_factory=dict)
+    prompt_text: str | None = None  # token2text: the decoded prompt.token_ids (as stored)
+    segments: list[dict[str, Any]] | None = None  # HTTP calls merged into this one (resumed)
     kind: Literal["generate"] = "generate"
+
+
+@dataclass(slots=True)
+class ToolCall:
+    """One tool execution inside a trajectory, and how the proxy came to know of it.
+
+    `observed`: `chat_tool_calls` (a response's `tool_calls` matched by id to the next request's
+    `role: tool` messages), `parsed_from_text` (tool-call markup parsed from decoded tokens, the
+    result taken from the tokens the next prompt adds), or `http_tool_server` (an HTTP tool
+    server routed through the proxy). Times are the agent's tool time: from the end of the
+    response that asked for the call to the start of the request that carried its result.
+    """
+
+    index: int
+    observed: str
+    start: float
+    end: float | None
+    name: str | None = None
+    call_id: str | None = None
+    arguments: str | None = None
+    result: str | None = None
+    requested_by: int | None = None  # index of the generate call that asked for it
+    error: CallError | None = None
+    raw: str | None = None  # tool-call text that could not be parsed, kept as it was
+    route: str | None = None  # http_tool_server only
+    upstream: str | None = None
+    http_status: int | None = None
+    kind: Literal["tool"] = "tool"
 
 
 @dataclass(slots=True)
@@ -122,6 +154,8 @@ class Trajectory:
     status: Literal["ok", "error"]
     close_reason: str
     calls: list[GenerateCall]
+    tools: list[ToolCall] = field(default_factory=list)
+    transcript: str | None = None  # token2text: the last call's full prompt and response
     upstreams: list[str] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     annotations: list[dict[str, Any]] = field(default_factory=list)

@@ -1,0 +1,144 @@
+"""Trajectories recovered from traffic alone: continuation, groups, steps, resume, bounds."""
+
+from __future__ import annotations
+
+from trace_proxy.capture.metadata import KeyHints
+from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.record import (
+    GenerateCall,
+    Output,
+    Prompt,
+    Record,
+    StepEvent,
+    Trajectory,
+)
+
+
+def call(
+    start: float,
+    prompt: list[int] | None = None,
+    out: list[int] | None = None,
+    finish: str = "stop",
+    messages: list[dict] | None = None,
+    text: str | None = None,
+    version: str | None = None,
+) -> GenerateCall:
+    return GenerateCall(
+        index=-1, dialect="sglang.generate", route="/generate", upstream="u", start=start,
+        end=start + 0.1, prompt=Prompt(token_ids=prompt, messages=messages),
+        outputs=[Output(index=0, token_ids=out, text=text, finish_reason=finish)],
+        weight_version=version,
+    )  # fmt: skip
+
+
+def assembler() -> tuple[Assembler, list[Record], list[int]]:
+    out: list[Record] = []
+    evicted: list[int] = []
+    inference = TrafficInference(max_contexts=1000, on_evict=lambda: evicted.append(1))
+    a = Assembler(out.append, project="p", experiment="e", idle_timeout=60, inference=inference)
+    return a, out, evicted
+
+
+def trajectories(out: list[Record]) -> list[Trajectory]:
+    return [r for r in out if isinstance(r, Trajectory)]
+
+
+def test_token_continuations_and_groups() -> None:
+    a, out, _ = assembler()
+    first = list(range(100, 140))
+    # one sample, two rollouts with different answers, two turns each, interleaved
+    a.add_call(KeyHints(), call(0, first, [1, 2, 3]))
+    a.add_call(KeyHints(), call(0.01, first, [7, 8]))
+    a.add_call(KeyHints(), call(1, [*first, 7, 8, 50, 51], [9]))
+    a.add_call(KeyHints(), call(1.01, [*first, 1, 2, 3, 50, 51], [4]))
+    a.add_call(KeyHints(), call(2, list(range(500, 540)), [5]))  # another sample
+    a.close_all()
+    recorded = trajectories(out)
+    assert sorted(len(t.calls) for t in recorded) == [1, 2, 2]
+    pair = [t for t in recorded if len(t.calls) == 2]
+    assert {t.key.sample_hash for t in pair} == {pair[0].key.sample_hash}
+    assert sorted(t.key.rollout_n or 0 for t in pair) == [0, 1]
+    for t in pair:
+        assert t.calls[1].prompt.prefix_call == 0  # the continuation also shares its prefix
+        assert t.key.sources["trajectory_id"] == "inferred:new"
+        assert t.key.sources["sample_hash"] == "inferred:first_prompt"
+    lonely = next(t for t in recorded if len(t.calls) == 1)
+    assert lonely.key.sample_hash != pair[0].key.sample_hash
+
+
+def test_chat_continuation_matches_the_assistant_turn() -> None:
+    a, out, _ = assembler()
+    system = {"role": "system", "content": "be brief"}
+    user = {"role": "user", "content": "weather?"}
+    tool_call = {"id": "c1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip
+    turn1 = call(0, messages=[system, user])
+    turn1.outputs[0].tool_calls = [tool_call]
+    other = call(0.01, messages=[system, user], text="no tools needed")
+    a.add_call(KeyHints(), turn1)
+    a.add_call(KeyHints(), other)
+    resent = {**tool_call, "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}}
+    turn2 = call(
+        1,
+        messages=[system, user, {"role": "assistant", "content": None, "tool_calls": [resent]},
+                  {"role": "tool", "tool_call_id": "c1", "content": "18C"}],
+    )  # fmt: skip
+    a.add_call(KeyHints(), turn2)
+    a.close_all()
+    [with_tool] = [t for t in trajectories(out) if len(t.calls) == 2]
+    assert with_tool.calls[0].outputs[0].tool_calls == [tool_call]
+    [span] = with_tool.tools
+    assert (span.name, span.result, span.requested_by) == ("get_weather", "18C", 0)
+
+
+def test_weight_updates_and_new_versions_start_new_steps() -> None:
+    a, out, _ = assembler()
+    a.add_call(KeyHints(), call(0, list(range(20)), [1]))
+    a.add_event(StepEvent(event="weight_update", route="/update_weights_from_distributed",
+                          upstream="u", time=1, project="p", experiment="e"))  # fmt: skip
+    a.add_event(StepEvent(event="weight_update_finish", route="/finish_weight_update",
+                          upstream="u", time=1, project="p", experiment="e"))  # fmt: skip
+    a.add_call(KeyHints(), call(2, list(range(20, 40)), [1], version="v1"))
+    a.add_call(KeyHints(), call(3, list(range(40, 60)), [1], version="v2"))
+    a.close_all()
+    steps = sorted(t.key.step or 0 for t in trajectories(out))
+    assert steps == [0, 1, 2]
+    first_step = min(trajectories(out), key=lambda t: t.key.step or 0)
+    assert first_step.close_reason == "step_change"
+    assert first_step.key.sources["step"] == "inferred:weight_updates"
+
+
+def test_a_resumed_generate_is_merged_into_one_call() -> None:
+    a, out, _ = assembler()
+    prompt = list(range(30))
+    a.add_call(KeyHints(), call(0, prompt, [1, 2, 3], finish="abort"))
+    a.add_call(KeyHints(), call(1, [*prompt, 1, 2, 3], [4, 5], finish="stop"))
+    a.add_call(KeyHints(), call(2, [*prompt, 1, 2, 3, 4, 5, 60, 61], [6]))  # next turn
+    a.close_all()
+    [t] = trajectories(out)
+    assert len(t.calls) == 2
+    merged = t.calls[0]
+    assert merged.outputs[0].token_ids == [1, 2, 3, 4, 5]
+    assert merged.outputs[0].finish_reason == "stop"
+    assert [s["finish_reason"] for s in merged.segments or []] == ["abort", "stop"]
+
+
+def test_headers_win_over_inference() -> None:
+    a, out, _ = assembler()
+    hints = KeyHints()
+    hints.offer("trajectory_id", "given", "header:X-Rollout-Trajectory-Id")
+    a.add_call(hints, call(0, list(range(20)), [1]))
+    a.close_all()
+    [t] = trajectories(out)
+    assert t.key.trajectory_id == "given" and t.key.sample_hash is None
+
+
+def test_state_is_bounded_and_evictions_are_counted() -> None:
+    out: list[Record] = []
+    evicted: list[int] = []
+    inference = TrafficInference(max_contexts=10, on_evict=lambda: evicted.append(1))
+    a = Assembler(out.append, project="p", experiment="e", idle_timeout=60, inference=inference)
+    for i in range(25):
+        a.add_call(KeyHints(), call(i, [i] * 20, [1]))
+    assert len(evicted) == 15

@@ -1,0 +1,161 @@
+"""token2text: decoded text next to the token ids, for the trajectories that are kept.
+
+It runs as a processor of the export pipeline, in its own thread, once per closed trajectory:
+never on the event loop, never for a trajectory that is not exported, with each tokenizer
+loaded once. Special tokens are kept by default, as verl's rollout trace keeps them, so the
+text shows the chat template's markers and tool-call tags exactly as the model saw them.
+
+Tokenizers come from `--tokenizer` (a path, or a name in the local Hugging Face cache, loaded
+with HF_HUB_OFFLINE=1 unless the environment says otherwise), or, when none is given, from the
+upstream itself: vLLM's `/v1/models` (`root`) or SGLang's `/model_info` (`model_path`) name
+the model directory, which is loaded when it exists on this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from trace_proxy.trajectories.prompts import full_token_ids
+from trace_proxy.trajectories.record import Record, Trajectory
+from trace_proxy.trajectories.toolparsers import ToolCallParser
+from trace_proxy.trajectories.tools import text_tool_spans
+
+log = logging.getLogger(__name__)
+
+Decode = Callable[[Sequence[int]], str]
+
+
+class TokenizerError(RuntimeError):
+    """A tokenizer that cannot be loaded; raised once, at start-up."""
+
+
+def load_tokenizer(source: str) -> Any:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub from a GPU node
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise TokenizerError(
+            "token2text needs transformers: pip install 'trace-proxy[text]'"
+        ) from None
+    try:
+        return AutoTokenizer.from_pretrained(source)
+    except Exception as exc:  # transformers raises many kinds; all mean "not loadable"
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise TokenizerError(f"cannot load tokenizer {source!r}: {reason}") from None
+
+
+def decoder_for(tokenizer: Any, skip_special_tokens: bool) -> Decode:
+    """The fastest exact decode: the Rust backend, unless the tokenizer post-processes spaces."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+
+        def decode_backend(ids: Sequence[int]) -> str:
+            text: str = backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+            return text
+
+        return decode_backend
+
+    def decode_python(ids: Sequence[int]) -> str:
+        text: str = tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    return decode_python
+
+
+class Tokenizers:
+    """Which decoder serves which model: one per served model name, or one for all."""
+
+    def __init__(self) -> None:
+        self._by_model: dict[str, Decode] = {}
+        self._default: Decode | None = None
+        self._lock = threading.Lock()  # discovery adds while the export thread reads
+
+    def add(self, model: str | None, decode: Decode) -> None:
+        with self._lock:
+            if model is None:
+                self._default = decode
+            else:
+                self._by_model[model] = decode
+
+    def for_model(self, model: str | None) -> Decode | None:
+        with self._lock:
+            if model is not None and model in self._by_model:
+                return self._by_model[model]
+            if self._default is not None:
+                return self._default
+            if len(self._by_model) == 1:  # one served model under any name
+                return next(iter(self._by_model.values()))
+            return None
+
+    @property
+    def empty(self) -> bool:
+        with self._lock:
+            return self._default is None and not self._by_model
+
+
+def load_configured(sources: list[str], skip_special_tokens: bool) -> Tokenizers:
+    """`--tokenizer` values (`PATH` or `MODEL=PATH`), loaded now so a bad one fails at start-up."""
+    tokenizers = Tokenizers()
+    for source in sources:
+        model, eq, path = source.partition("=")
+        if not eq or os.path.exists(source):
+            model, path = "", source
+        tokenizer = load_tokenizer(path)
+        tokenizers.add(model or None, decoder_for(tokenizer, skip_special_tokens))
+    return tokenizers
+
+
+class Token2Text:
+    """Pipeline processor: fills prompt_text, response_text, transcript and text tool spans."""
+
+    name = "token2text"
+
+    def __init__(
+        self,
+        tokenizers: Tokenizers,
+        tool_parser: ToolCallParser,
+        on_skip: Callable[[str], None] | None = None,
+    ) -> None:
+        self.tokenizers = tokenizers
+        self._parser = tool_parser
+        self._on_skip = on_skip
+
+    def process(self, records: list[Record]) -> None:
+        for record in records:
+            if isinstance(record, Trajectory):
+                self._decode(record)
+
+    def _decode(self, trajectory: Trajectory) -> None:
+        calls = trajectory.calls
+        decoders = [self.tokenizers.for_model(call.model) for call in calls]
+        if not any(decoders):
+            if self._on_skip is not None:
+                self._on_skip("no_tokenizer")
+            return
+        for call, decode in zip(calls, decoders, strict=True):
+            if decode is None:
+                continue
+            if call.prompt.token_ids is not None:
+                call.prompt_text = decode(call.prompt.token_ids)
+            for output in call.outputs:
+                if output.token_ids:
+                    output.response_text = decode(output.token_ids)
+        full = full_token_ids(calls)
+        for position in range(len(calls) - 1, -1, -1):
+            decode, ids = decoders[position], full[position]
+            if decode is not None and ids is not None:
+                first = calls[position].outputs[0].token_ids if calls[position].outputs else None
+                trajectory.transcript = decode([*ids, *(first or [])])
+                break
+        spans = text_tool_spans(calls, full, decoders, self._parser)
+        if spans:
+            merged = sorted([*trajectory.tools, *spans], key=lambda t: (t.start, t.index))
+            for index, span in enumerate(merged):
+                span.index = index
+            trajectory.tools = merged
+            trajectory.summary["tool_calls"] = len(merged)
