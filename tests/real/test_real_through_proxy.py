@@ -7,6 +7,7 @@ as direct. Greedy decoding makes the generated tokens themselves reproducible.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -236,3 +237,30 @@ async def test_transformers_serve_with_the_openai_client(
     assert call["prompt"]["messages"] == MESSAGES
     assert call["outputs"][0]["text"] == texts[1]
     assert b"sk-never-recorded" not in b"".join(p.read_bytes() for p in tmp_path.rglob("*.jsonl"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
+async def test_token2text_matches_vllms_own_text(
+    real_vllm: RealServer, http: aiohttp.ClientSession, tmp_path: Path, stream: bool
+) -> None:
+    """The tokenizer is found by asking vLLM (`/v1/models` names the model directory); the
+    decoded response must be exactly the text vLLM returned for the same ids."""
+    replies: dict[str, Json] = {}
+    settings = {"token2text": True, "skip_special_tokens": True}
+    async with running_proxy([real_vllm.base_url], tmp_path, **settings) as (service, proxy):
+        assert service.tokenizer_discovery is not None
+        await asyncio.wait_for(service.tokenizer_discovery, 120)
+        for sample, (path, body) in enumerate([CASES["chat"], CASES["completions"]]):
+            request = {**body, "model": real_vllm.model, "stream": stream, "max_tokens": 16}
+            headers = {"X-Rollout-Step": "1", "X-Rollout-Sample-Index": str(sample)}
+            async with http.post(proxy + path, json=request, headers=headers) as response:
+                raw = await response.read()
+            replies[path] = (
+                _merge_stream(events_of(raw)) if stream else _reply_of(orjson.loads(raw))
+            )
+    recorded = {t["calls"][0]["route"]: t["calls"][0] for t in trajectories(tmp_path)}
+    assert set(recorded) == set(replies) == {"/v1/chat/completions", "/v1/completions"}
+    for route, call in recorded.items():
+        assert call["outputs"][0]["token_ids"] == replies[route]["token_ids"]
+        assert call["outputs"][0]["response_text"] == replies[route]["text"]
+        assert call["prompt_text"]
