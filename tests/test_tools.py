@@ -95,3 +95,53 @@ async def test_http_tool_server_calls_are_spans_of_their_trajectory(
     assert span["arguments"] == '{"code": "print(6*7)", "language": "python"}'
     assert span["result"] == '{"stdout": "42\\n", "exit_code": 0}'
     assert len(trajectory["calls"]) == 1
+
+
+def test_text_tool_spans_from_token_ids_even_when_the_turn_is_re_rendered(
+    qwen_tokenizer: Any,
+) -> None:
+    from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, RolloutKey, Trajectory
+    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
+    from trace_proxy.trajectories.toolparsers import get_parser
+
+    encode = qwen_tokenizer.encode
+    prompt = encode(
+        "<|im_start|>user\nWeather in Paris and Oslo?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    said = (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        "<|im_end|>"
+    )
+    # The agent re-renders the assistant turn with other spacing before adding the results.
+    rerendered = said.replace('{"city": "Oslo"}', '{"city":"Oslo"}')
+    results = (
+        "\n<|im_start|>user\n<tool_response>\n18C\n</tool_response>\n<tool_response>\n"
+        "Error when executing tool: timeout\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
+    first = GenerateCall(
+        index=0, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
+        start=0.0, end=1.0, prompt=Prompt(token_ids=prompt),
+        outputs=[Output(index=0, token_ids=encode(said))],
+    )  # fmt: skip
+    second = GenerateCall(
+        index=1, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
+        start=3.0, end=4.0, prompt=Prompt(token_ids=prompt + encode(rerendered + results)),
+        outputs=[Output(index=0, token_ids=encode("Paris is warmer.<|im_end|>"))],
+    )  # fmt: skip
+    trajectory = Trajectory(
+        id="t", key=RolloutKey(project="p", experiment="e"), start=0.0, end=4.0, status="ok",
+        close_reason="done", calls=[first, second],
+    )  # fmt: skip
+    tokenizers = Tokenizers()
+    tokenizers.add(None, decoder_for(qwen_tokenizer, skip_special_tokens=False))
+    Token2Text(tokenizers, get_parser("hermes")).process([trajectory])
+    spans = trajectory.tools
+    assert [(s.name, s.arguments, s.result) for s in spans] == [
+        ("get_weather", '{"city": "Paris"}', "18C"),
+        ("get_weather", '{"city": "Oslo"}', "Error when executing tool: timeout"),
+    ]
+    assert all(s.observed == "parsed_from_text" and s.requested_by == 0 for s in spans)
+    assert [(s.start, s.end) for s in spans] == [(1.0, 3.0), (1.0, 3.0)]
+    assert spans[1].error is not None and spans[1].error.type == "tool_error"
+    assert first.outputs[0].response_text == said

@@ -32,7 +32,7 @@ def _context(full: Prompt, call: GenerateCall, kind: str) -> Sequence[Any] | Non
     return full.messages
 
 
-def _common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the common prefix, by slice comparisons (C speed) and bisection."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -65,7 +65,7 @@ def share_prefixes(calls: list[GenerateCall]) -> None:
                 context = _context(prev_full, prev_call, kind)
                 if value is None or context is None:
                     continue
-                shared = _common_prefix(context, value)
+                shared = common_prefix(context, value)
                 if shared >= min_shared:
                     lengths[kind] = shared
                     suffixes[kind] = value[shared:]

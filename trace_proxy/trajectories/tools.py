@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trace_proxy.trajectories.prompts import common_prefix
 from trace_proxy.trajectories.record import CallError, GenerateCall, ToolCall
 from trace_proxy.trajectories.toolparsers import ToolCallParser
 
@@ -117,14 +118,19 @@ def _results_after(
     decode: Callable[[Sequence[int]], str],
     parser: ToolCallParser,
 ) -> list[str]:
-    """Tool results: the text the next prompt adds after this call's prompt and response."""
+    """Tool results: the text the next prompt adds after this call's prompt and response.
+
+    Some chat templates re-render the assistant turn (gpt-oss's harmony rewrites its headers and
+    `<|return|>`), so the next prompt need not repeat the response token for token: what it adds
+    is read from where it stops agreeing with prompt + response, provided it repeats the whole
+    prompt."""
     if position + 1 >= len(calls):
         return []
     prompt, following = full_prompts[position], full_prompts[position + 1]
     output_ids = calls[position].outputs[0].token_ids or []
     if prompt is None or following is None:
         return []
-    context = [*prompt, *output_ids]
-    if following[: len(context)] != context:
+    shared = common_prefix([*prompt, *output_ids], following)
+    if shared < len(prompt):
         return []
-    return parser.tool_results(decode(following[len(context) :]))
+    return parser.tool_results(decode(following[shared:]))
