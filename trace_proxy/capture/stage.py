@@ -78,6 +78,9 @@ class CaptureStage:
             finally:
                 self._queue.task_done()
                 self._metrics.capture_queue.set(self._queue.qsize())
+            # Queue.get() does not yield while items wait: without this a backlog would be
+            # parsed in one burst, and no request could be forwarded meanwhile.
+            await asyncio.sleep(0)
 
     async def _close_idle(self) -> None:
         while True:

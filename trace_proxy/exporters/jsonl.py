@@ -5,8 +5,8 @@ Layout under the output directory:
     <project>/<experiment>/validate-step-000003.jsonl  trajectories of a validation pass
     <project>/<experiment>/step-none.jsonl             trajectories with no step
     <project>/<experiment>/events.jsonl                step events (weight updates, pauses)
-Each line is written with one `write` on an O_APPEND descriptor; a file is fsync'd when it is
-closed. A torn last line left by a crash is cut off when the file is next opened, so readers
+A batch's lines for one file go out in one `write` on an O_APPEND descriptor; a file is fsync'd
+when it is closed. A torn last line left by a crash is cut off when the file is next opened, so readers
 never see a partial record.
 """
 
@@ -42,9 +42,7 @@ class JsonlExporter:
         for record in records:
             lines.setdefault(record_path(self.output, record), []).append(dumps(record) + b"\n")
         for path, chunk in lines.items():
-            fd = self._open(path)
-            for line in chunk:
-                _write_all(fd, line)
+            _write_all(self._open(path), b"".join(chunk))  # whole lines, one write per file
 
     def close(self) -> None:
         while self._files:

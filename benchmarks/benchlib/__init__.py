@@ -1,0 +1,1 @@
+"""Shared pieces of the trace-proxy benchmarks: workload, upstream, load generator, processes."""

@@ -1,0 +1,221 @@
+"""Closed-loop load generator: N workers on an N-connection keep-alive pool, one JSON report.
+
+Run as its own process (`python -m benchlib.loadgen --url ... --concurrency 64 ...`) so it
+does not share an event loop with what it measures. Each worker runs trajectories of `turns`
+sequential calls (the shape of an agentic RL rollout) with X-Rollout-* headers, and checks
+every response body against the exact bytes the upstream sends. Requests completing during
+the warm-up are not measured. Bounded in time (warm-up + duration) and in count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import hashlib
+import json
+import math
+import resource
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from benchlib.aio import run
+from benchlib.workload import Turn, build_turns, rollout_headers
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    url: str
+    concurrency: int
+    warmup: float
+    duration: float
+    max_requests: int
+    turns: int
+    stream: bool
+    step: int
+    seed: int
+    timeout: float
+    think: float  # seconds a worker pauses after each response (0: back to back)
+
+
+@dataclass
+class Tally:
+    """What the workers saw; the measured window is [warm_end, measure_end]."""
+
+    warm_end: float
+    measure_end: float
+    max_measured: int
+    max_sent: int
+    latencies: list[float] = field(default_factory=list)
+    sent: int = 0
+    warmed: int = 0
+    trajectories: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+    mismatched: int = 0
+    mismatch_sample: str | None = None
+    digests: dict[int, str] = field(default_factory=dict)
+    stopped: bool = False
+
+    def issuing(self) -> bool:
+        """Workers start new requests only inside the time and count bounds."""
+        if self.stopped or self.sent >= self.max_sent or time.perf_counter() >= self.measure_end:
+            self.stopped = True
+        return not self.stopped
+
+    def measure(self, start: float, end: float) -> None:
+        """Keep the latency of a request that completed inside the window. The warm-up is
+        bounded by the same count as the window: it ends early after `max_measured` requests."""
+        if end < self.warm_end:
+            self.warmed += 1
+            if self.warmed >= self.max_measured:
+                self.measure_end -= self.warm_end - end
+                self.warm_end = end
+            return
+        if end <= self.measure_end and len(self.latencies) < self.max_measured:
+            self.latencies.append(end - start)
+            if len(self.latencies) == self.max_measured:
+                self.measure_end = end
+                self.stopped = True
+
+
+async def _request(
+    session: aiohttp.ClientSession,
+    spec: LoadSpec,
+    turn: Turn,
+    index: int,
+    headers: dict[str, str],
+    tally: Tally,
+) -> None:
+    start = time.perf_counter()
+    tally.sent += 1
+    try:
+        async with session.post(spec.url, data=turn.request, headers=headers) as response:
+            body = await response.read()
+            status = response.status
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        tally.errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
+        await asyncio.sleep(0.01)  # an unreachable target must not become a hot loop
+        return
+    end = time.perf_counter()
+    tally.statuses[status] += 1
+    tally.digests.setdefault(index, hashlib.sha256(body).hexdigest())
+    if body != turn.response:
+        tally.mismatched += 1
+        tally.mismatch_sample = (
+            tally.mismatch_sample or f"turn {index}, status {status}: {body[:200]!r}"
+        )
+    tally.measure(start, end)
+
+
+async def _worker(
+    session: aiohttp.ClientSession, spec: LoadSpec, turns: list[Turn], tally: Tally
+) -> None:
+    """Run whole trajectories back to back; each is a new sample index of this step."""
+    while tally.issuing():
+        sample = tally.trajectories
+        tally.trajectories += 1
+        for index, turn in enumerate(turns):
+            if not tally.issuing():
+                return
+            headers = rollout_headers(spec.step, sample, done=index == len(turns) - 1)
+            await _request(session, spec, turn, index, headers, tally)
+            if spec.think > 0:
+                await asyncio.sleep(spec.think)
+
+
+async def generate(spec: LoadSpec) -> dict[str, Any]:
+    """Run the warm-up and the measured window; return the summary as plain JSON data."""
+    turns = build_turns(spec.turns, spec.stream, spec.seed)
+    gc.freeze()  # the canned payloads live forever; keep the collector off them
+    connector = aiohttp.TCPConnector(limit=spec.concurrency, limit_per_host=0, keepalive_timeout=60)
+    timeout = aiohttp.ClientTimeout(total=spec.timeout)
+    cpu_start = _cpu_seconds()
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, auto_decompress=False
+    ) as session:
+        now = time.perf_counter()
+        tally = Tally(
+            warm_end=now + spec.warmup,
+            measure_end=now + spec.warmup + spec.duration,
+            max_measured=spec.max_requests,
+            max_sent=2 * spec.max_requests + 2 * spec.concurrency,  # a safety net
+        )
+        workers = [_worker(session, spec, turns, tally) for _ in range(spec.concurrency)]
+        await asyncio.wait_for(asyncio.gather(*workers), spec.warmup + spec.duration + spec.timeout)
+    return _summary(tally, _cpu_seconds() - cpu_start, time.perf_counter() - started)
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (no interpolation between samples)."""
+    if not sorted_values:
+        return math.nan
+    rank = max(1, math.ceil(q / 100 * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def _summary(tally: Tally, cpu: float, elapsed: float) -> dict[str, Any]:
+    latencies = sorted(tally.latencies)
+    window = tally.measure_end - tally.warm_end
+    ms = [v * 1000 for v in latencies]
+    return {
+        "measured": len(latencies),
+        "window_s": window,
+        "rps": len(latencies) / window if window > 0 else math.nan,
+        "p50_ms": percentile(ms, 50),
+        "p90_ms": percentile(ms, 90),
+        "p99_ms": percentile(ms, 99),
+        "max_ms": ms[-1] if ms else math.nan,
+        "mean_ms": sum(ms) / len(ms) if ms else math.nan,
+        "sent": tally.sent,
+        "trajectories": tally.trajectories,
+        "statuses": {str(k): v for k, v in tally.statuses.items()},
+        "errors": dict(tally.errors),
+        "mismatched": tally.mismatched,
+        "mismatch_sample": tally.mismatch_sample,
+        "digests": {str(k): v for k, v in sorted(tally.digests.items())},
+        "cpu_s": cpu,
+        "elapsed_s": elapsed,
+    }
+
+
+def parse_spec(argv: list[str]) -> LoadSpec:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--concurrency", type=int, required=True)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--duration", type=float, default=4.0)
+    parser.add_argument("--max-requests", type=int, default=100_000)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--stream", action="store_true")
+    parser.add_argument("--step", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--think", type=float, default=0.0)
+    return LoadSpec(**vars(parser.parse_args(argv)))
+
+
+def main() -> None:
+    spec = parse_spec(sys.argv[1:])
+    result: dict[str, Any] = {}
+
+    async def go() -> None:
+        result.update(await generate(spec))
+
+    run(go())
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

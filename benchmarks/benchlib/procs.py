@@ -1,0 +1,241 @@
+"""Starting, watching and stopping the processes of a run: upstream, trace-proxy, nginx.
+
+Every process logs to a file in the work directory (no pipes that could fill up and stall it),
+announces readiness with a line the parent waits for (bounded), and is stopped by its own pid
+with SIGTERM, then SIGKILL after a grace period.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BENCH_DIR = Path(__file__).resolve().parent.parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+NGINX_PACKAGE = "nginx"
+
+
+class BenchError(RuntimeError):
+    """A setup problem the user must fix; printed as one line."""
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def pids(self) -> list[int]:
+        """The process and its direct children (nginx's worker)."""
+        return [self.popen.pid, *_children(self.popen.pid)]
+
+    def cpu_seconds(self) -> float:
+        return sum(cpu_seconds(pid) for pid in self.pids())
+
+    def peak_rss_mib(self) -> float:
+        """Peak resident memory (VmHWM) of the process and its children, in MiB."""
+        return sum(peak_rss_kib(pid) for pid in self.pids()) / 1024
+
+    def stop(self, grace: float = 60.0) -> tuple[int, float]:
+        """SIGTERM, wait up to `grace` seconds (then SIGKILL); return (exit code, seconds)."""
+        start = time.monotonic()
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        return self.popen.returncode, time.monotonic() - start
+
+
+def child_env() -> dict[str, str]:
+    """The parent's environment minus TRACE_PROXY_* (so only our flags configure the proxy)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TRACE_PROXY_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(BENCH_DIR), env.get("PYTHONPATH")]))
+    return env
+
+
+def spawn(name: str, argv: list[str], workdir: Path) -> Proc:
+    log = workdir / f"{name}.log"
+    with log.open("wb") as out:
+        popen = subprocess.Popen(
+            argv,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_env(),
+            cwd=workdir,  # `-m` puts the cwd first on sys.path: no stray checkout shadows imports
+        )
+    return Proc(name, popen, log)
+
+
+def wait_for_line(proc: Proc, pattern: str, timeout: float = 30.0) -> re.Match[str]:
+    """Poll the process's log until `pattern` matches; fail with the log's tail if it exits."""
+    regex = re.compile(pattern)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = proc.log.read_text(errors="replace")
+        if match := regex.search(text):
+            return match
+        if proc.popen.poll() is not None:
+            break
+        time.sleep(0.05)
+    tail = proc.log.read_text(errors="replace")[-2000:]
+    raise BenchError(f"{proc.name} did not become ready (exit code {proc.popen.poll()}):\n{tail}")
+
+
+def wait_for_port(proc: Proc, port: int, timeout: float = 30.0) -> None:
+    """For processes with no ready line (nginx): wait until the port accepts connections."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            break
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    tail = proc.log.read_text(errors="replace")[-2000:]
+    raise BenchError(f"{proc.name} is not listening on {port} (exit {proc.popen.poll()}):\n{tail}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def start_upstream(workdir: Path, turns: int, seed: int) -> tuple[Proc, str]:
+    argv = [sys.executable, "-m", "benchlib.upstream", "--port", "0", "--turns", str(turns),
+            "--seed", str(seed)]  # fmt: skip
+    proc = spawn("upstream", argv, workdir)
+    port = wait_for_line(proc, r"upstream listening on (\d+)").group(1)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def trace_proxy_argv(upstream: str, store: Path) -> list[str]:
+    return [sys.executable, "-m", "trace_proxy", "serve", "--upstream", upstream, "--port", "0",
+            "--admin-port", "0", "--output", str(store)]  # fmt: skip
+
+
+def start_trace_proxy(workdir: Path, upstream: str) -> tuple[Proc, str, str]:
+    """Returns the process, its proxy URL and its admin URL (both from its ready line)."""
+    proc = spawn("trace-proxy", trace_proxy_argv(upstream, workdir / "store"), workdir)
+    match = wait_for_line(proc, r"trace-proxy: forwarding (\S+) -> .*metrics at (\S+)/metrics")
+    return proc, match.group(1), match.group(2)
+
+
+def find_nginx() -> str:
+    """nginx from PATH or /usr/sbin (not on a normal user's PATH); a clear error if absent."""
+    path = shutil.which("nginx") or shutil.which("nginx", path="/usr/sbin:/usr/local/sbin")
+    if path is None:
+        raise BenchError(
+            f"nginx not found: install the Debian package '{NGINX_PACKAGE}' "
+            f"(apt-get install -y {NGINX_PACKAGE}), or leave nginx out: "
+            "--systems direct,trace-proxy"
+        )
+    return path
+
+
+def nginx_config(prefix: Path, port: int, upstream: str) -> str:
+    """A plain keep-alive reverse proxy, no buffering, no logging: the reference to beat."""
+    host_port = upstream.removeprefix("http://")
+    return f"""\
+worker_processes 1;
+pid {prefix}/nginx.pid;
+error_log {prefix}/error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+    access_log off;
+    client_body_temp_path {prefix}/client_body;
+    proxy_temp_path {prefix}/proxy;
+    fastcgi_temp_path {prefix}/fastcgi;
+    uwsgi_temp_path {prefix}/uwsgi;
+    scgi_temp_path {prefix}/scgi;
+    client_max_body_size 0;
+    upstream inference {{
+        server {host_port};
+        keepalive 64;
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location / {{
+            proxy_pass http://inference;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }}
+    }}
+}}
+"""
+
+
+def start_nginx(workdir: Path, upstream: str) -> tuple[Proc, str, Path]:
+    """Foreground nginx (`daemon off`) with everything under workdir/nginx; returns its URL."""
+    binary = find_nginx()
+    prefix = workdir / "nginx"
+    prefix.mkdir()
+    prefix.chmod(0o755)  # nginx's worker may run as an unprivileged user when we are root
+    port = free_port()
+    conf = prefix / "nginx.conf"
+    conf.write_text(nginx_config(prefix, port, upstream))
+    argv = [binary, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf),
+            "-g", "daemon off;"]  # fmt: skip
+    proc = spawn("nginx", argv, workdir)
+    wait_for_port(proc, port)
+    return proc, f"http://127.0.0.1:{port}", prefix / "error.log"
+
+
+def nginx_version(binary: str) -> str:
+    result = subprocess.run([binary, "-v"], capture_output=True, text=True, timeout=10)
+    return (result.stderr or result.stdout).strip().removeprefix("nginx version: nginx/")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of a process (all its threads), from /proc; 0 if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat.rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def peak_rss_kib(pid: int) -> int:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    match = re.search(r"^VmHWM:\s+(\d+) kB", status, re.MULTILINE)
+    return int(match.group(1)) if match else 0
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds spent not idle by the whole machine since boot (every core, every process)."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return (sum(values[:8]) - idle) / CLOCK_TICKS
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rpartition(")")[2].split()[1]) == pid:
+            children.append(int(entry.name))
+    return children

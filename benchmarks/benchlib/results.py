@@ -1,0 +1,181 @@
+"""RESULTS.md: the numbers with the command, machine, versions, checks and caveats they need."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+from datetime import datetime
+
+from benchlib.report import DIRECT, Cell, Checks, Row, results_table, rounds_table
+from benchlib.workload import OUTPUT_TOKENS, PROMPT_TOKENS, TOOL_TOKENS, build_turns
+
+LIMITS = """\
+- **Everything shares 2 cores.** The load generator (one Python/aiohttp process), the upstream
+  (one Python process) and the proxy under test run on the same two cores. Direct has two busy
+  processes; a proxied run has three. At concurrency 64 the machine is saturated, so "req/s vs
+  direct" measures how much CPU the proxy takes away from the load generator and upstream, not
+  how many requests the proxy could serve on a core of its own. "proxy CPU µs/req" (CPU time of
+  the proxy's processes during the cell divided by the requests it forwarded) is the number
+  that does not depend on that contention.
+- **The load generator is Python.** Its CPU use is in the per-cell table; at concurrency 64 it
+  is close to a full core, so direct's throughput is a client-bound figure, not the upstream's
+  capacity.
+- **Concurrency 1 is a loopback round trip through Python event loops.** The added latency is
+  the per-hop cost of the proxy; a real vLLM call takes from tens of milliseconds to minutes, so
+  compare the added milliseconds with that, not with the sub-millisecond direct latency here.
+- **At concurrency 64 latency is mostly queueing** (≈ 64 / throughput, Little's law): the added
+  p50 there follows from the lower throughput rather than from extra work per request.
+- **trace-proxy records after the response**, on the same event loop: each exchange is parsed
+  and written once the client has its answer. The benchmark charges that work to trace-proxy
+  (its CPU per request includes it) and waits for the backlog to drain before the next cell, so
+  it does not slow the next system; the drain time is reported in the checks.
+- **trace-proxy-unrecorded** is the same trace-proxy process forwarding the same requests on a
+  path it does not record (`/bench/unrecorded/v1/completions`, which the upstream also answers):
+  forwarding alone, no tap, no parsing, no store. trace-proxy minus trace-proxy-unrecorded is
+  the cost of recording.
+- **nginx runs one worker** (`worker_processes 1`), as trace-proxy runs one event loop; it is
+  the floor for any keep-alive reverse proxy on this machine.
+- **Noise.** Other processes on the machine are visible in "other CPU (cores)" per cell. Rounds
+  rotate the order of the systems and the tables show medians across rounds; added latency and
+  the throughput ratio are medians of per-round comparisons with the direct cell of the same
+  round.
+"""
+
+
+def render(
+    command: str,
+    when: datetime,
+    seconds: float,
+    environment: dict[str, str],
+    args: argparse.Namespace,
+    rows: list[Row],
+    cells: list[Cell],
+    checks: Checks,
+    facts: list[str],
+) -> str:
+    load = os.getloadavg()
+    machine = (
+        f"{environment['cores']} cores ({environment['cpu']}), {environment['memory']} RAM, "
+        f"{environment['kernel']}; load average at start {environment['load average at start']},"
+        f" at end {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    versions = (
+        f"Python {environment['python']} ({environment['loop']}), {environment['packages']}, "
+        f"trace-proxy {environment['trace-proxy']}"
+        + (f", nginx {environment['nginx']}" if "nginx" in environment else "")
+    )
+    parts = [
+        "# trace-proxy overhead benchmark: results\n",
+        "Written by `benchmarks/overhead.py` (see [README.md](README.md)); run the command "
+        "below to regenerate it.\n",
+        f"- **Command:** `{command}`",
+        f"- **Date:** {when:%Y-%m-%d %H:%M} UTC; the run took {seconds:.0f} s",
+        f"- **Machine:** {machine}",
+        f"- **Versions:** {versions}",
+        f"- **Workload:** {_workload(args)}\n",
+        "## Results (medians across rounds)\n",
+        results_table(rows) + "\n",
+        "p50/p99: latency of one whole request as the client sees it (send to last byte). "
+        "added: proxy minus direct. req/s vs direct: throughput ratio. proxy CPU µs/req: CPU "
+        "time of the proxy's processes per forwarded request, recording included.\n",
+        "## Checks\n",
+        *(f"- {line}" for line in checks.lines()),
+        "",
+        "## Reading (computed from this run)\n",
+        *_findings(rows, cells, args.noise_limit),
+        f"- Memory: {'; '.join(facts)}." if facts else "",
+        "",
+        "## What limits these numbers\n",
+        LIMITS,
+        "## Every cell, in run order\n",
+        rounds_table(cells) + "\n",
+    ]
+    return "\n".join(parts)
+
+
+def _workload(args: argparse.Namespace) -> str:
+    turns = build_turns(args.turns, stream=False, seed=args.seed)
+    requests = [len(t.request) for t in turns]
+    responses = [len(t.response) for t in turns]
+    prompt_max = PROMPT_TOKENS + (args.turns - 1) * (OUTPUT_TOKENS + TOOL_TOKENS)
+    return (
+        f"`POST /v1/completions` as vLLM serves it, token-id prompts of {PROMPT_TOKENS}-"
+        f"{prompt_max} ids ({min(requests) / 1000:.1f}-{max(requests) / 1000:.1f} kB request "
+        f"bodies), {OUTPUT_TOKENS} output tokens with logprobs and `return_token_ids` "
+        f"({min(responses) / 1000:.1f}-{max(responses) / 1000:.1f} kB responses; `sse` = the "
+        f"same streamed as a few SSE events and `[DONE]`); trajectories of {args.turns} "
+        f"sequential turns sent with X-Rollout-Step/Sample-Index/N headers; closed loop at "
+        f"concurrency {', '.join(map(str, args.concurrency))}"
+        + (f" with a {args.think_ms:g} ms pause after each response" if args.think_ms else "")
+        + f"; {args.warmup:g} s warm-up and "
+        f"{args.duration:g} s measured per cell; {args.rounds} rounds, system order rotated "
+        f"each round; a cell during which other processes used more than "
+        f"{args.noise_limit:g} cores was run again (at most 2 re-runs per cell, "
+        f"{args.retries} in all) and the quietest attempt kept."
+    )
+
+
+def _findings(rows: list[Row], cells: list[Cell], noise_limit: float) -> list[str]:
+    """Plain sentences for each mode and concurrency, plus noise and recording lag."""
+    lines = []
+    groups = dict.fromkeys((r.mode, r.concurrency) for r in rows)
+    for mode, concurrency in groups:
+        mine = [r for r in rows if (r.mode, r.concurrency) == (mode, concurrency)]
+        said = [_sentence(r) for r in mine if r.system != DIRECT]
+        direct = next((r for r in mine if r.system == DIRECT), None)
+        head = f"- **{mode}, concurrency {concurrency}**"
+        if direct is not None:
+            head += f" (direct: p50 {direct.p50:.3f} ms, {direct.rps:.0f} req/s)"
+        lines.append(head + ": " + "; ".join(said) + ".")
+    ratio = _cpu_ratio(rows)
+    if ratio:
+        lines.append(f"- {ratio}")
+    others = [c.other_cores for c in cells]
+    noisy = sum(1 for c in cells if c.other_cores > noise_limit)
+    lines.append(
+        f"- Other processes on the machine used {statistics.median(others):.2f} cores (median "
+        f"over the kept cells), {max(others):.2f} at most; {noisy} of {len(cells)} kept cells "
+        f"had more than {noise_limit:g} cores of such load"
+        + (" (see the last table): treat those with care." if noisy else ".")
+    )
+    return lines
+
+
+def _sentence(row: Row) -> str:
+    """What one proxy costs; its cores in use show whether it, not the client, is the limit."""
+    cores = (row.cpu_us or 0) * row.rps / 1e6
+    return (
+        f"{row.system} adds {row.added_p50 or 0:+.3f} ms at p50 and {row.added_p99 or 0:+.3f} "
+        f"ms at p99, at {row.rps_ratio or 0:.0%} of direct's throughput, "
+        f"{row.cpu_us or 0:.0f} µs CPU per request ({cores:.2f} cores busy)"
+    )
+
+
+def _cpu_ratio(rows: list[Row]) -> str:
+    """trace-proxy's CPU per request next to nginx's and next to its own unrecorded forwarding."""
+    pairs = []
+    for r in rows:
+        if r.system != "trace-proxy" or not r.cpu_us:
+            continue
+        nginx = _same(rows, r, "nginx")
+        bare = _same(rows, r, "trace-proxy-unrecorded")
+        said = f"{r.mode}, c={r.concurrency}: {r.cpu_us:.0f} µs"
+        if nginx and nginx.cpu_us:
+            said += f" = {r.cpu_us / nginx.cpu_us:.1f}x nginx's {nginx.cpu_us:.0f} µs"
+        if bare and bare.cpu_us:
+            share = (r.cpu_us - bare.cpu_us) / r.cpu_us
+            said += f", {share:.0%} of it recording (unrecorded route: {bare.cpu_us:.0f} µs)"
+        pairs.append(said)
+    return "trace-proxy CPU per request: " + "; ".join(pairs) + "." if pairs else ""
+
+
+def _same(rows: list[Row], like: Row, system: str) -> Row | None:
+    return next(
+        (
+            r
+            for r in rows
+            if r.system == system and (r.mode, r.concurrency) == (like.mode, like.concurrency)
+        ),
+        None,
+    )

@@ -1,0 +1,96 @@
+"""A fast fake vLLM: answers the canned `/v1/completions` requests with pre-serialised bytes.
+
+Run as its own process (`python -m benchlib.upstream --port 0`); it prints
+`upstream listening on PORT` when ready and stops on SIGTERM. The request body selects the
+answer by exact bytes, so an altered request body is caught here (HTTP 400, counted in
+`GET /_bench/stats`) rather than silently answered. Keeping the upstream this cheap makes the
+proxies, not the upstream, the thing being measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from benchlib.aio import run
+from benchlib.workload import JSON_TYPE, PATH, UNRECORDED_PATH, Turn, build_turns
+
+STATS_PATH = "/_bench/stats"
+Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
+
+
+def make_handler(turns: list[Turn], stats: dict[str, int]) -> Handler:
+    """One handler for every route: canned answers keyed by the exact request body."""
+    table = {turn.request: turn for turn in turns}
+
+    async def handle(request: web.BaseRequest) -> web.StreamResponse:
+        if request.path == STATS_PATH:
+            return web.Response(body=orjson.dumps(stats), headers={"Content-Type": JSON_TYPE})
+        body = await request.read()
+        stats["requests"] += 1
+        routed = request.method == "POST" and request.path in (PATH, UNRECORDED_PATH)
+        turn = table.get(body) if routed else None
+        if turn is None:
+            stats["unknown"] += 1
+            error = {"error": {"message": "benchmark upstream: unexpected request", "code": 400}}
+            return web.Response(
+                status=400, body=orjson.dumps(error), headers={"Content-Type": JSON_TYPE}
+            )
+        if len(turn.chunks) == 1:
+            return web.Response(body=turn.chunks[0], headers={"Content-Type": turn.content_type})
+        return await _stream(request, turn)
+
+    return handle
+
+
+async def _stream(request: web.BaseRequest, turn: Turn) -> web.StreamResponse:
+    """Send the SSE events as separate writes, as a streaming server does."""
+    response = web.StreamResponse(headers={"Content-Type": turn.content_type})
+    await response.prepare(request)
+    for chunk in turn.chunks:
+        await response.write(chunk)
+    await response.write_eof()
+    return response
+
+
+async def serve(port: int, turns: int, seed: int) -> None:
+    """Listen on loopback until SIGTERM/SIGINT; print the bound port once ready."""
+    stats = {"requests": 0, "unknown": 0}
+    canned = build_turns(turns, stream=False, seed=seed) + build_turns(turns, True, seed)
+    server = web.Server(make_handler(canned, stats), access_log=None)
+    runner = web.ServerRunner(server)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
+    await site.start()
+    bound = _bound_port(site)
+    print(f"upstream listening on {bound}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def _bound_port(site: web.TCPSite) -> int:
+    server: Any = site._server
+    return int(server.sockets[0].getsockname()[1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--port", type=int, default=0)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    run(serve(args.port, args.turns, args.seed))
+
+
+if __name__ == "__main__":
+    main()

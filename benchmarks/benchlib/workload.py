@@ -1,0 +1,189 @@
+"""The canned RL workload: multi-turn vLLM `/v1/completions` calls with ~1k-token prompts.
+
+Both the upstream and the load generator build the same bytes from the same seed, so the
+upstream answers with pre-serialised bytes (a dict lookup, no JSON work on the hot path) and
+the load generator can check every response it gets, through any proxy, byte for byte.
+
+Turn k+1's prompt is turn k's prompt + its 16 output tokens + 32 new "tool result" tokens, as
+in an agentic rollout, so trace-proxy's prompt-prefix sharing is exercised as it is in RL.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import orjson
+
+PATH = "/v1/completions"
+# The same API on a path trace-proxy does not record: it forwards it untapped, which isolates
+# the cost of forwarding from the cost of recording.
+UNRECORDED_PATH = "/bench/unrecorded/v1/completions"
+MODEL = "bench-model"
+CREATED = 1763800000
+PROMPT_TOKENS = 1024
+OUTPUT_TOKENS = 16
+TOOL_TOKENS = 32
+STREAM_CHUNKS = 4
+VOCAB = 151_000
+JSON_TYPE = "application/json"
+SSE_TYPE = "text/event-stream; charset=utf-8"
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One call of a trajectory: the request body and the exact response the upstream sends."""
+
+    request: bytes
+    content_type: str
+    chunks: tuple[bytes, ...]  # one element for JSON, several SSE events for a stream
+
+    @property
+    def response(self) -> bytes:
+        return b"".join(self.chunks)
+
+
+def build_turns(turns: int, stream: bool, seed: int = 1) -> list[Turn]:
+    """The `turns` calls of one trajectory, JSON or streamed, deterministic for a seed."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+    result = []
+    for index in range(turns):
+        output = [rng.randrange(VOCAB) for _ in range(OUTPUT_TOKENS)]
+        logprobs = [-round(rng.random() * 3, 4) for _ in range(OUTPUT_TOKENS)]
+        request = _request(prompt, stream)
+        if stream:
+            chunks = _sse_chunks(index, prompt, output, logprobs)
+            result.append(Turn(request, SSE_TYPE, chunks))
+        else:
+            body = orjson.dumps(_completion(index, prompt, output, logprobs))
+            result.append(Turn(request, JSON_TYPE, (body,)))
+        prompt = prompt + output + [rng.randrange(VOCAB) for _ in range(TOOL_TOKENS)]
+    return result
+
+
+def rollout_headers(step: int, sample_index: int, done: bool) -> dict[str, str]:
+    """The metadata an RL framework sends so trace-proxy groups calls into trajectories."""
+    headers = {
+        "Content-Type": JSON_TYPE,
+        "X-Rollout-Experiment": "overhead-bench",
+        "X-Rollout-Step": str(step),
+        "X-Rollout-Sample-Index": str(sample_index),
+        "X-Rollout-N": "0",
+    }
+    if done:
+        headers["X-Rollout-Done"] = "true"
+    return headers
+
+
+def _request(prompt: list[int], stream: bool) -> bytes:
+    body: dict[str, object] = {
+        "model": MODEL,
+        "prompt": prompt,
+        "max_tokens": OUTPUT_TOKENS,
+        "temperature": 1.0,
+        "logprobs": 1,
+        "return_token_ids": True,
+    }
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return orjson.dumps(body)
+
+
+def _token_text(token: int) -> str:
+    return f" t{token}"
+
+
+def _logprobs(tokens: list[int], logprobs: list[float], offset: int) -> dict[str, object]:
+    texts = [_token_text(t) for t in tokens]
+    offsets = []
+    for text in texts:
+        offsets.append(offset)
+        offset += len(text)
+    return {
+        "text_offset": offsets,
+        "token_logprobs": logprobs,
+        "tokens": texts,
+        "top_logprobs": [{text: lp} for text, lp in zip(texts, logprobs, strict=True)],
+    }
+
+
+def _usage(prompt: list[int]) -> dict[str, object]:
+    return {
+        "prompt_tokens": len(prompt),
+        "total_tokens": len(prompt) + OUTPUT_TOKENS,
+        "completion_tokens": OUTPUT_TOKENS,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def _completion(
+    index: int, prompt: list[int], output: list[int], logprobs: list[float]
+) -> dict[str, object]:
+    """A non-streaming vLLM 0.33 completion, field order and nulls as vLLM serialises them."""
+    choice = {
+        "index": 0,
+        "text": "".join(_token_text(t) for t in output),
+        "logprobs": _logprobs(output, logprobs, 0),
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": output,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt,
+        "routed_experts": None,
+        "weight_versions": None,
+    }
+    return {
+        "id": f"cmpl-bench-{index}",
+        "object": "text_completion",
+        "created": CREATED,
+        "model": MODEL,
+        "choices": [choice],
+        "service_tier": None,
+        "system_fingerprint": "vllm-0.33.0-bench",
+        "usage": _usage(prompt),
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def _sse_chunks(
+    index: int, prompt: list[int], output: list[int], logprobs: list[float]
+) -> tuple[bytes, ...]:
+    """A vLLM completion stream: a few token chunks, the usage chunk, then `[DONE]`."""
+    head = {"id": f"cmpl-bench-{index}", "object": "text_completion", "created": CREATED}
+    size = len(output) // STREAM_CHUNKS
+    events = []
+    offset = 0
+    for start in range(0, len(output), size):
+        tokens = output[start : start + size]
+        last = start + size >= len(output)
+        text = "".join(_token_text(t) for t in tokens)
+        choice = {
+            "index": 0,
+            "text": text,
+            "logprobs": _logprobs(tokens, logprobs[start : start + size], offset),
+            "finish_reason": "length" if last else None,
+            "stop_reason": None,
+            "prompt_token_ids": prompt if start == 0 else None,
+            "token_ids": tokens,
+            "weight_versions": None,
+        }
+        offset += len(text)
+        chunk = {**head, "model": MODEL, "choices": [choice], "kv_transfer_params": None}
+        events.append(chunk)
+    usage = {k: v for k, v in _usage(prompt).items() if v is not None}
+    events.append(
+        {
+            **head,
+            "model": MODEL,
+            "choices": [],
+            "usage": usage,
+            "system_fingerprint": "vllm-0.33.0-bench",
+        }
+    )
+    return (*(b"data: " + orjson.dumps(e) + b"\n\n" for e in events), DONE)
