@@ -5,9 +5,9 @@ Layout under the output directory:
     <project>/<experiment>/validate-step-000003.jsonl  trajectories of a validation pass
     <project>/<experiment>/step-none.jsonl             trajectories with no step
     <project>/<experiment>/events.jsonl                step events (weight updates, pauses)
-A batch's lines for one file go out in one `write` on an O_APPEND descriptor; a file is fsync'd
-when it is closed. A torn last line left by a crash is cut off when the file is next opened, so readers
-never see a partial record.
+A batch's lines for one file go out in one `write` on an O_APPEND descriptor; a file is
+fsync'd when it is closed. A torn last line left by a crash is cut off when the file is next
+opened, so readers never see a partial record.
 """
 
 from __future__ import annotations

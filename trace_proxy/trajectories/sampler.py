@@ -1,0 +1,111 @@
+"""Deterministic per-step sampling of trajectories, consistent across replicas and restarts.
+
+verl keeps `max_samples_per_step_per_worker` samples with an unseeded random choice per worker;
+here a sample's fate depends only on a keyed hash of (seed, experiment, step, validate, sample):
+
+- rate mode (`--sample-rate P`): keep a sample when its hash is below P. No state, no
+  buffering, the same answer on every replica.
+- top-N mode (`--max-samples-per-step N`): keep the N samples of the step with the smallest
+  hashes. Decided as traffic arrives: a sample whose hash is above the step's current N-th
+  smallest is dropped at once; the others are candidates until the step ends, and a candidate
+  pushed out by N smaller hashes is dropped then. The kept set is the N smallest of all samples
+  seen, whatever the arrival order, on one replica or split across many (each replica keeps the
+  N smallest of what it saw, and the N smallest overall are among them).
+- `None` keeps everything; 0 keeps nothing. Whole samples are kept: every rollout of a kept
+  sample (a whole GRPO group).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+HASH_SPACE = float(1 << 64)
+
+
+class Fate(str, Enum):
+    KEEP = "keep"  # final
+    DROP = "drop"  # final
+    CANDIDATE = "candidate"  # top-N: kept unless N smaller hashes arrive before the step ends
+
+
+def sample_hash(seed: int, experiment: str, step: int | None, validate: bool, sample: Any) -> float:
+    """A keyed hash in [0, 1); the seed is the key, so another seed gives another selection."""
+    message = f"{experiment}\x1f{step}\x1f{int(validate)}\x1f{sample}".encode()
+    digest = hashlib.blake2b(message, digest_size=8, key=str(seed).encode()).digest()
+    return int.from_bytes(digest, "big") / HASH_SPACE
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """One mode: at most one of `max_samples` and `rate` is set (neither: keep all)."""
+
+    max_samples: int | None = None
+    rate: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_samples is not None and self.rate is not None:
+            raise ValueError("choose either a number of samples per step or a sample rate")
+        if self.max_samples is not None and self.max_samples < 0:
+            raise ValueError("the number of samples per step cannot be negative")
+        if self.rate is not None and not 0.0 <= self.rate <= 1.0:
+            raise ValueError("the sample rate is a fraction between 0 and 1")
+
+
+@dataclass
+class _Step:
+    """Top-N state of one (experiment, step, validate): a max-heap of the N smallest hashes."""
+
+    heap: list[tuple[float, str]] = field(default_factory=list)  # (-hash, sample)
+    members: set[str] = field(default_factory=set)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0, train: Policy = Policy(), validate: Policy = Policy()):
+        self.seed = seed
+        self._policies = {False: train, True: validate}
+        self._steps: dict[tuple[str, Any, bool], _Step] = {}
+
+    def policy(self, validate: bool) -> Policy:
+        return self._policies[validate]
+
+    def decide(
+        self, experiment: str, step: int | None, validate: bool, sample: Any
+    ) -> tuple[Fate, list[str]]:
+        """The sample's fate now, and the candidates it pushed out (dropped from now on)."""
+        policy = self._policies[validate]
+        if policy.rate is None and policy.max_samples is None:
+            return Fate.KEEP, []
+        h = sample_hash(self.seed, experiment, step, validate, sample)
+        if policy.rate is not None:
+            return (Fate.KEEP if h < policy.rate else Fate.DROP), []
+        assert policy.max_samples is not None
+        if policy.max_samples == 0:
+            return Fate.DROP, []
+        state = self._steps.setdefault((experiment, step, validate), _Step())
+        name = str(sample)
+        if name in state.members:
+            return Fate.CANDIDATE, []
+        if len(state.heap) < policy.max_samples:
+            heapq.heappush(state.heap, (-h, name))
+            state.members.add(name)
+            return Fate.CANDIDATE, []
+        largest = -state.heap[0][0]
+        if h >= largest:
+            return Fate.DROP, []
+        _, evicted = heapq.heapreplace(state.heap, (-h, name))
+        state.members.discard(evicted)
+        state.members.add(name)
+        return Fate.CANDIDATE, [evicted]
+
+    def is_candidate(self, experiment: str, step: int | None, validate: bool, sample: Any) -> bool:
+        state = self._steps.get((experiment, step, validate))
+        return state is not None and str(sample) in state.members
+
+    def finish_step(self, experiment: str, step: int | None, validate: bool) -> set[str]:
+        """The step is over: its candidates are kept. Returns them, and forgets the step."""
+        state = self._steps.pop((experiment, step, validate), None)
+        return set(state.members) if state is not None else set()
