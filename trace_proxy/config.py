@@ -133,6 +133,28 @@ def _tool_parser(value: Any) -> str:
     return name
 
 
+def parse_optional_count(value: Any) -> int | None:
+    """A count, or none/null for 'no limit'."""
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+        return None
+    count = parse_int(value)
+    if count < 0:
+        raise ValueError("must be 0 or more (or none)")
+    return count
+
+
+def parse_optional_fraction(value: Any) -> float | None:
+    if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+        return None
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{value!r} is not a number") from None
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError("must be a fraction between 0 and 1")
+    return fraction
+
+
 def parse_log_level(value: Any) -> str:
     level = parse_str(value).upper()
     if level not in ("DEBUG", "INFO", "WARNING", "ERROR"):
@@ -230,6 +252,17 @@ OPTIONS: tuple[Option, ...] = (
     Option("tool_route", parse_tool_route, [], "forward /PREFIX/... to an HTTP tool server and "
            "record each call as a tool span: PREFIX=URL (repeatable)", multiple=True,
            metavar="PREFIX=URL"),
+    Option("max_samples_per_step", parse_optional_count, None, "keep the N samples of each "
+           "training step with the smallest keyed hash, with all their rollouts (none: keep all; "
+           "0: none)", metavar="N"),
+    Option("sample_rate", parse_optional_fraction, None, "keep a sample when its keyed hash is "
+           "below P (no buffering; instead of --max-samples-per-step)", metavar="P"),
+    Option("validate_max_samples_per_step", parse_optional_count, None,
+           "--max-samples-per-step for validation steps", metavar="N"),
+    Option("validate_sample_rate", parse_optional_fraction, None,
+           "--sample-rate for validation steps", metavar="P"),
+    Option("sample_seed", parse_int, 0, "key of the sampling hash: the same seed keeps the same "
+           "samples on every replica and after a restart", metavar="S"),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
            "are counted as dropped", metavar="N"),
     Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
@@ -261,6 +294,11 @@ class Settings:
     skip_special_tokens: bool = False
     tool_parser: str = "hermes"
     tool_route: list[str] = field(default_factory=list)
+    max_samples_per_step: int | None = None
+    sample_rate: float | None = None
+    validate_max_samples_per_step: int | None = None
+    validate_sample_rate: float | None = None
+    sample_seed: int = 0
     capture_queue: int = 10000
     log_level: str = "INFO"
 
@@ -317,7 +355,18 @@ def resolve(
         else:
             continue
         values[opt.name] = _parse(opt, raw, where)
-    return Settings(**values)
+    settings = Settings(**values)
+    for prefix in ("", "validate_"):
+        if (
+            getattr(settings, prefix + "max_samples_per_step") is not None
+            and getattr(settings, prefix + "sample_rate") is not None
+        ):
+            flag = "--" + prefix.replace("_", "-")
+            raise ConfigError(
+                f"invalid value for {flag}sample-rate: choose either {flag}max-samples-per-step "
+                f"or {flag}sample-rate"
+            )
+    return settings
 
 
 def _parse(opt: Option, raw: Any, where: str) -> Any:
@@ -349,7 +398,11 @@ def _split_commas(value: Any) -> list[Any]:
 
 
 # verl's names for the same settings (actor_rollout_ref.rollout.trace.*), accepted in files.
-VERL_ALIASES = {"project_name": "project", "experiment_name": "experiment"}
+VERL_ALIASES = {
+    "project_name": "project",
+    "experiment_name": "experiment",
+    "max_samples_per_step_per_worker": "max_samples_per_step",
+}
 
 
 def load_config_file(path: Path, command: str) -> dict[str, Any]:

@@ -69,6 +69,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.sampler_dropped = Counter(
+            "trace_proxy_sampler_dropped",
+            "Calls and trajectories not kept, by reason "
+            "(sampler: not selected; waiting_full: over the bound of waiting candidates)",
+            ["what", "reason"],
+            registry=r,
+        )
         self.inference_evicted = Counter(
             "trace_proxy_inference_evicted",
             "Contexts of keyless trajectories forgotten to bound memory (a later continuation "

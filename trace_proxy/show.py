@@ -52,6 +52,12 @@ def show(
                     out.write(_event_line(record) + "\n")
                     events += 1
                 continue
+            if record.get("record") == "step_summary":
+                if step is None or record.get("step") == step:
+                    out.write(_summary_line(record) + "\n")
+                continue
+            if record.get("record") != "trajectory":
+                continue
             if step is not None and key.get("step") != step:
                 continue
             if limit is not None and shown >= limit:
@@ -97,10 +103,14 @@ def _ordered(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         rollout = -1 if k.get("rollout_n") is None else k["rollout_n"]
         return (step, bool(k.get("validate")), sample, rollout, t.get("start") or 0)
 
-    trajectories = sorted((r for r in records if r.get("record") != "event"), key=position)
+    trajectories = sorted((r for r in records if r.get("record") == "trajectory"), key=position)
     placed: list[tuple[tuple[Any, ...], int, dict[str, Any]]] = [
         (position(t), 0, t) for t in trajectories
     ]
+    for summary in (r for r in records if r.get("record") == "step_summary"):
+        step = -1 if summary.get("step") is None else summary["step"]
+        end = (step, bool(summary.get("validate")), float("inf"), float("inf"), float("inf"))
+        placed.append((end, 2, summary))
     for event in (r for r in records if r.get("record") == "event"):
         before = [position(t)[0] for t in trajectories if (t.get("start") or 0) <= event["time"]]
         step = max(before, default=-1)
@@ -203,6 +213,16 @@ def _message_text(message: dict[str, Any]) -> str:
         return " ".join(p.get("text", "") for p in content if isinstance(p, dict))
     calls = message.get("tool_calls") or []
     return " ".join(f"{(c.get('function') or {}).get('name')}(...)" for c in calls)
+
+
+def _summary_line(summary: dict[str, Any]) -> str:
+    kind = "validation step" if summary.get("validate") else "step"
+    return (
+        f"-- {kind} {summary.get('step')}: {summary.get('trajectories_seen')} trajectories "
+        f"({summary.get('trajectories_kept')} kept, "
+        f"{summary.get('trajectories_dropped_by_sampler')} dropped by the sampler), "
+        f"{summary.get('calls_seen')} calls seen, {summary.get('calls_kept')} kept"
+    )
 
 
 def _event_line(event: dict[str, Any]) -> str:

@@ -28,6 +28,7 @@ class Exchange:
     end: float | None = None
     error: str | None = None  # why the exchange did not complete normally
     tool_route: str | None = None  # the --tool-route prefix, for tool-server calls
+    admitted: bool = False  # the sampler let it in on the hot path (headers named the sample)
 
     @property
     def response_body(self) -> bytes:

@@ -47,6 +47,17 @@ class CaptureStage:
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
 
+    def admit(self, exchange: Exchange) -> bool:
+        """On the hot path: False when the headers name a sample the sampler has dropped, so
+        nothing of the exchange needs keeping. Cheap: headers only, no body."""
+        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
+        verdict = self._assembler.admit_early(hints)
+        if verdict is False:
+            self._metrics.capture_dropped.labels("sampler").inc()
+            return False
+        exchange.admitted = verdict is True
+        return True
+
     def submit(self, exchange: Exchange) -> None:
         """Called by the forwarder; never blocks, never raises."""
         try:
@@ -125,7 +136,7 @@ class CaptureStage:
                 self._metrics.calls_unparsed if item.call.unparsed else self._metrics.calls_recorded
             )
             counter.labels(dialect).inc()
-            self._assembler.add_call(hints, item.call)
+            self._assembler.add_call(hints, item.call, admitted=exchange.admitted)
         self._metrics.open_trajectories.set(self._assembler.open_count)
 
     def _tool_call(self, exchange: Exchange) -> None:

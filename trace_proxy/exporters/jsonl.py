@@ -5,6 +5,7 @@ Layout under the output directory:
     <project>/<experiment>/validate-step-000003.jsonl  trajectories of a validation pass
     <project>/<experiment>/step-none.jsonl             trajectories with no step
     <project>/<experiment>/events.jsonl                step events (weight updates, pauses)
+    <project>/<experiment>/steps.jsonl                 per-step summaries (seen, kept, dropped)
 A batch's lines for one file go out in one `write` on an O_APPEND descriptor; a file is
 fsync'd when it is closed. A torn last line left by a crash is cut off when the file is next
 opened, so readers never see a partial record.
@@ -16,7 +17,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from trace_proxy.trajectories.record import Record, StepEvent, dumps
+from trace_proxy.trajectories.record import Record, StepEvent, StepSummary, dumps
 
 MAX_OPEN_FILES = 32
 
@@ -24,6 +25,8 @@ MAX_OPEN_FILES = 32
 def record_path(root: Path, record: Record) -> Path:
     if isinstance(record, StepEvent):
         return root / record.project / record.experiment / "events.jsonl"
+    if isinstance(record, StepSummary):
+        return root / record.project / record.experiment / "steps.jsonl"
     key = record.key
     step = "none" if key.step is None else f"{key.step:06d}"
     prefix = "validate-step-" if key.validate else "step-"

@@ -40,6 +40,7 @@ class Forwarder:
         session: aiohttp.ClientSession,
         resolver: MetadataResolver,
         submit: Callable[[Exchange], None],
+        admit: Callable[[Exchange], bool],
         metrics: Metrics,
         timeout: aiohttp.ClientTimeout,
         tool_routes: dict[str, Upstream] | None = None,
@@ -49,6 +50,7 @@ class Forwarder:
         self._session = session
         self._resolver = resolver
         self._submit = submit
+        self._admit = admit
         self._metrics = metrics
         self._timeout = timeout
 
@@ -89,6 +91,8 @@ class Forwarder:
                 start=start,
                 tool_route=tool_prefix or None,
             )
+            if kind is RouteKind.GENERATE and not self._admit(exchange):
+                exchange = None  # a dropped sample: forwarded, and nothing more
         try:
             return await self._forward(request, upstream, target, kind, exchange, start)
         finally:

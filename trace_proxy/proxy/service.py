@@ -29,7 +29,9 @@ from trace_proxy.proxy.forward import Forwarder
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
+from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.sampler import Policy, Sampler
 from trace_proxy.trajectories.token2text import Token2Text, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
 
@@ -60,6 +62,17 @@ class ProxyService:
             idle_timeout=settings.idle_timeout,
             on_close=lambda reason: self.metrics.trajectories_closed.labels(reason).inc(),
             inference=TrafficInference(on_evict=self.metrics.inference_evicted.inc),
+            gate=SamplingGate(
+                Sampler(
+                    settings.sample_seed,
+                    train=Policy(settings.max_samples_per_step, settings.sample_rate),
+                    validate=Policy(
+                        settings.validate_max_samples_per_step, settings.validate_sample_rate
+                    ),
+                ),
+                self.pipeline.submit,
+                on_drop=lambda what, why: self.metrics.sampler_dropped.labels(what, why).inc(),
+            ),
         )
         self.capture = CaptureStage(
             self.resolver,
@@ -111,6 +124,7 @@ class ProxyService:
             self._session,
             self.resolver,
             self.capture.submit,
+            self.capture.admit,
             self.metrics,
             timeout,
             tool_routes=self.tool_routes,

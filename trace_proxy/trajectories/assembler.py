@@ -19,6 +19,7 @@ from typing import Any
 
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
 from trace_proxy.capture.metadata import KeyHints
+from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.prompts import share_prefixes
 from trace_proxy.trajectories.record import (
@@ -55,8 +56,10 @@ class Assembler:
         on_close: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.monotonic,
         inference: TrafficInference | None = None,
+        gate: SamplingGate | None = None,
     ) -> None:
         self._inference = inference
+        self._gate = gate
         self._emit = emit
         self._project = project
         self._experiment = experiment
@@ -72,11 +75,27 @@ class Assembler:
     def open_count(self) -> int:
         return len(self._open)
 
-    def add_call(self, hints: KeyHints, call: GenerateCall) -> None:
+    def admit_early(self, hints: KeyHints) -> bool | None:
+        """The sampler's verdict from headers alone, before anything is copied: True (keep;
+        counted), False (dropped; counted), None (the headers name no sample, or nothing is
+        sampled: decided after parsing)."""
+        if self._gate is None or not self._gate.active or "sample_index" not in hints.values:
+            return None
+        key = self._key(hints)
+        if self._gate.admit(key):
+            return True
+        self._close_older_steps(key)
+        return False
+
+    def add_call(self, hints: KeyHints, call: GenerateCall, admitted: bool = False) -> None:
+        """`admitted`: the sampler already let this call in (see `refuses`)."""
         key = self._key(hints)
         placement = None
         if self._identity(key) is None and self._inference is not None:
             placement = self._inference.place(key, call)
+        if self._gate is not None and not admitted and not self._gate.admit(key):
+            self._close_older_steps(key)
+            return
         trajectory = self._attach(key, hints)
         if trajectory is None:
             single = self._new(key, hints)
@@ -95,6 +114,8 @@ class Assembler:
     def add_tool(self, hints: KeyHints, tool: ToolCall) -> None:
         """A tool call seen directly (an HTTP tool server routed through the proxy)."""
         key = self._key(hints)
+        if self._gate is not None and not self._gate.admit(key):
+            return
         trajectory = self._attach(key, hints)
         if trajectory is None:
             single = self._new(key, hints)
@@ -148,6 +169,8 @@ class Assembler:
         while self._open:
             _, trajectory = self._open.popitem(last=False)
             self._close(trajectory, reason)
+        if self._gate is not None:
+            self._gate.end_all()
 
     def _key(self, hints: KeyHints) -> RolloutKey:
         v = hints.values
@@ -197,6 +220,8 @@ class Assembler:
         ]
         for identity in stale:
             self._close(self._open.pop(identity), "step_change")
+        if self._gate is not None:
+            self._gate.end_steps_before(key.project, key.experiment, bool(key.validate), key.step)
 
     def _close(self, trajectory: _Open, reason: str) -> None:
         identity = self._identity(trajectory.key)
@@ -207,7 +232,11 @@ class Assembler:
         self._finish(trajectory, reason)
 
     def _finish(self, trajectory: _Open, reason: str) -> None:
-        self._emit(build_trajectory(trajectory, reason))
+        built = build_trajectory(trajectory, reason)
+        if self._gate is not None:
+            self._gate.release(built)
+        else:
+            self._emit(built)
         if self._on_close is not None:
             self._on_close(reason)
 

@@ -165,7 +165,25 @@ class Trajectory:
     record: Literal["trajectory"] = "trajectory"
 
 
-Record = Trajectory | StepEvent
+@dataclass(slots=True)
+class StepSummary:
+    """What one step produced and what was kept: written when the step ends."""
+
+    project: str
+    experiment: str
+    step: int | None
+    validate: bool
+    trajectories_seen: int = 0
+    trajectories_kept: int = 0
+    trajectories_dropped_by_sampler: int = 0
+    calls_seen: int = 0
+    calls_kept: int = 0
+    calls_dropped_by_sampler: int = 0
+    schema: str = SCHEMA_VERSION
+    record: Literal["step_summary"] = "step_summary"
+
+
+Record = Trajectory | StepEvent | StepSummary
 
 
 def dumps(record: Record) -> bytes:

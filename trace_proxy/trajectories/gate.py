@@ -1,0 +1,149 @@
+"""Between the assembler and the exporters: the sampler's decisions, and per-step accounting.
+
+A call of a dropped sample is refused as it arrives (nothing more is kept of it). A closed
+trajectory is exported at once, unless its sample is a top-N candidate: then it waits for the
+end of its step, when the candidates still among the N smallest hashes are exported and the
+others dropped. Waiting trajectories are bounded; one pushed out of the bound is dropped and
+counted. When a step ends, a summary record says what it produced and what was kept.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from trace_proxy.trajectories.record import Record, RolloutKey, StepSummary, Trajectory
+from trace_proxy.trajectories.sampler import Fate, Sampler
+
+StepScope = tuple[str, str, bool, Any]  # project, experiment, validate, step
+
+
+def sample_of(key: RolloutKey) -> Any:
+    """What a sample is: its index, else the hash of its first prompt, else the trajectory."""
+    if key.sample_index is not None:
+        return key.sample_index
+    return key.sample_hash if key.sample_hash is not None else key.trajectory_id
+
+
+def scope_of(key: RolloutKey) -> StepScope:
+    return (key.project, key.experiment, bool(key.validate), key.step)
+
+
+class SamplingGate:
+    def __init__(
+        self,
+        sampler: Sampler,
+        emit: Callable[[Record], None],
+        *,
+        max_waiting: int = 50_000,
+        on_drop: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._sampler = sampler
+        self._emit = emit
+        self._max_waiting = max_waiting
+        self._on_drop = on_drop
+        self._summaries: OrderedDict[StepScope, StepSummary] = OrderedDict()
+        self._waiting: OrderedDict[str, tuple[StepScope, Any, Trajectory]] = OrderedDict()
+        self._refused: dict[StepScope, set[tuple[Any, Any]]] = {}
+
+    @property
+    def active(self) -> bool:
+        """Is anything being sampled out? (If not, there is nothing to decide early.)"""
+        return any(
+            p.max_samples is not None or p.rate is not None
+            for p in (self._sampler.policy(False), self._sampler.policy(True))
+        )
+
+    def admit(self, key: RolloutKey) -> bool:
+        """Is a new call of this key worth keeping?"""
+        scope = scope_of(key)
+        summary = self._summary(scope)
+        summary.calls_seen += 1
+        fate, _ = self._sampler.decide(key.experiment, key.step, bool(key.validate), sample_of(key))
+        if fate is not Fate.DROP:
+            return True
+        summary.calls_dropped_by_sampler += 1
+        refused = self._refused.setdefault(scope, set())
+        rollout = (
+            sample_of(key),
+            key.rollout_n if key.trajectory_id is None else key.trajectory_id,
+        )
+        if rollout not in refused:
+            refused.add(rollout)
+            summary.trajectories_seen += 1
+            summary.trajectories_dropped_by_sampler += 1
+        self._dropped("call", "sampler")
+        return False
+
+    def release(self, trajectory: Trajectory) -> None:
+        """A closed trajectory: exported, held until its step ends, or dropped."""
+        key = trajectory.key
+        scope = scope_of(key)
+        self._summary(scope).trajectories_seen += 1
+        policy = self._sampler.policy(bool(key.validate))
+        if policy.max_samples is None:
+            self._export(scope, trajectory)
+            return
+        sample = sample_of(key)
+        if not self._sampler.is_candidate(key.experiment, key.step, bool(key.validate), sample):
+            self._drop(scope, trajectory)
+            return
+        self._waiting[trajectory.id] = (scope, sample, trajectory)
+        while len(self._waiting) > self._max_waiting:
+            _, (old_scope, _, oldest) = self._waiting.popitem(last=False)
+            self._drop(old_scope, oldest, reason="waiting_full")
+
+    def end_step(self, project: str, experiment: str, validate: bool, step: Any) -> None:
+        scope = (project, experiment, validate, step)
+        kept = self._sampler.finish_step(experiment, step, validate)
+        for record_id, (waiting_scope, sample, trajectory) in list(self._waiting.items()):
+            if waiting_scope != scope:
+                continue
+            del self._waiting[record_id]
+            if str(sample) in kept:
+                self._export(scope, trajectory)
+            else:
+                self._drop(scope, trajectory)
+        self._refused.pop(scope, None)
+        summary = self._summaries.pop(scope, None)
+        if summary is not None:
+            self._emit(summary)
+
+    def end_steps_before(self, project: str, experiment: str, validate: bool, step: int) -> None:
+        """A later step has started: every earlier step of the same run is over."""
+        for scope in self._scopes():
+            p, e, v, s = scope
+            if (p, e, v) == (project, experiment, validate) and s is not None and s < step:
+                self.end_step(*scope)
+
+    def end_all(self) -> None:
+        for scope in self._scopes():
+            self.end_step(*scope)
+
+    def _scopes(self) -> list[StepScope]:
+        waiting = (scope for scope, _, _ in self._waiting.values())
+        return list(dict.fromkeys([*self._summaries, *waiting]))
+
+    def _summary(self, scope: StepScope) -> StepSummary:
+        summary = self._summaries.get(scope)
+        if summary is None:
+            project, experiment, validate, step = scope
+            summary = self._summaries[scope] = StepSummary(project, experiment, step, validate)
+        return summary
+
+    def _export(self, scope: StepScope, trajectory: Trajectory) -> None:
+        summary = self._summary(scope)
+        summary.trajectories_kept += 1
+        summary.calls_kept += len(trajectory.calls)
+        self._emit(trajectory)
+
+    def _drop(self, scope: StepScope, trajectory: Trajectory, reason: str = "sampler") -> None:
+        summary = self._summary(scope)
+        summary.trajectories_dropped_by_sampler += 1
+        summary.calls_dropped_by_sampler += len(trajectory.calls)
+        self._dropped("trajectory", reason)
+
+    def _dropped(self, what: str, reason: str) -> None:
+        if self._on_drop is not None:
+            self._on_drop(what, reason)
