@@ -216,6 +216,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", parse_port, 8100, "port to listen on (0 picks a free one)"),
     Option("admin_port", parse_port, 8101,
            "port of the admin endpoints (/metrics, /health) on the same host; 0 picks a free one"),
+    Option("admin_token", parse_str, None, "if set, POST /rewards on the admin port needs "
+           "'Authorization: Bearer <token>'", metavar="TOKEN"),
     Option("backend", _backends, ["jsonl"], "where closed trajectories go "
            "(comma-separated or repeated)", multiple=True, metavar="NAME",
            commands=("serve", "demo")),
@@ -280,6 +282,7 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8100
     admin_port: int = 8101
+    admin_token: str | None = None
     backend: list[str] = field(default_factory=lambda: ["jsonl"])
     output: Path = Path("traces")
     project: str = "default"

@@ -69,6 +69,19 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.rewards = Counter(
+            "trace_proxy_rewards",
+            "Rewards posted, by where the trajectory was (open, waiting, exported, unknown)",
+            ["where"],
+            registry=r,
+        )
+        self.sampled = Counter(
+            "trace_proxy_sampled",
+            "Calls and trajectories seen, kept and dropped by the sampler (dropped for other "
+            "reasons: trace_proxy_capture_dropped, trace_proxy_export_dropped)",
+            ["what", "outcome"],
+            registry=r,
+        )
         self.sampler_dropped = Counter(
             "trace_proxy_sampler_dropped",
             "Calls and trajectories not kept, by reason "

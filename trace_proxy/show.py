@@ -43,6 +43,8 @@ def show(
         return 1
     shown = events = 0
     for records in _by_experiment(root):
+        for line in _apply_annotations(records):
+            out.write(line + "\n")
         for record in _ordered(records):
             key = record.get("key") or record
             if experiment is not None and key.get("experiment") != experiment:
@@ -92,6 +94,34 @@ def _by_experiment(root: Path) -> Iterator[list[dict[str, Any]]]:
         yield group
 
 
+def _apply_annotations(records: list[dict[str, Any]]) -> list[str]:
+    """Late rewards onto the trajectories they name; lines for those naming none seen here."""
+    by_id = {r.get("id"): r for r in records if r.get("record") == "trajectory"}
+    orphans = []
+    for note in (r for r in records if r.get("record") == "annotation"):
+        targets = [by_id[i] for i in note.get("trajectories") or [] if i in by_id]
+        for trajectory in targets:
+            for name in ("reward", "score"):
+                if note.get(name) is not None:
+                    trajectory[name] = note[name]
+            trajectory["labels"] = {
+                **(trajectory.get("labels") or {}),
+                **(note.get("labels") or {}),
+            }
+        if not targets:
+            orphans.append(f"-- reward for {note.get('target')} (no such trajectory stored here): "
+                           f"{_outcome(note)}")  # fmt: skip
+    return orphans
+
+
+def _outcome(record: dict[str, Any]) -> str:
+    parts = [
+        f"{name} {record[name]:g}" for name in ("reward", "score") if record.get(name) is not None
+    ]
+    parts += [f"{k}={v}" for k, v in (record.get("labels") or {}).items()]
+    return ", ".join(parts)
+
+
 def _ordered(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Trajectories by step, validation, sample and rollout; each step event after the step
     during which it happened (the latest step whose trajectories started before it)."""
@@ -131,6 +161,9 @@ def _trajectory_header(t: dict[str, Any]) -> str:
     summary = t.get("summary") or {}
     duration = (t.get("end") or 0) - (t.get("start") or 0)
     part = f", part {t['part']}" if t.get("part", 1) > 1 else ""
+    outcome = _outcome(t)
+    if outcome:
+        part += f"; {outcome}"
     return (
         f"== {' · '.join(parts)}  [{t.get('status')}, closed: {t.get('close_reason')}{part}]  "
         f"{summary.get('calls', 0)} calls, {summary.get('prompt_tokens', 0)}+"

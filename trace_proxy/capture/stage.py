@@ -69,6 +69,10 @@ class CaptureStage:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._work()), loop.create_task(self._close_idle())]
 
+    async def drain(self) -> None:
+        """Wait until every exchange submitted so far has been parsed and assembled."""
+        await self._queue.join()
+
     async def stop(self) -> None:
         """Parse everything already queued, then close every open trajectory."""
         await self._queue.join()

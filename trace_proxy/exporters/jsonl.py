@@ -6,6 +6,7 @@ Layout under the output directory:
     <project>/<experiment>/step-none.jsonl             trajectories with no step
     <project>/<experiment>/events.jsonl                step events (weight updates, pauses)
     <project>/<experiment>/steps.jsonl                 per-step summaries (seen, kept, dropped)
+    rewards that arrive after a trajectory was written: `annotation` lines in its step's file
 A batch's lines for one file go out in one `write` on an O_APPEND descriptor; a file is
 fsync'd when it is closed. A torn last line left by a crash is cut off when the file is next
 opened, so readers never see a partial record.
@@ -17,7 +18,7 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from trace_proxy.trajectories.record import Record, StepEvent, StepSummary, dumps
+from trace_proxy.trajectories.record import Annotation, Record, StepEvent, StepSummary, dumps
 
 MAX_OPEN_FILES = 32
 
@@ -27,10 +28,18 @@ def record_path(root: Path, record: Record) -> Path:
         return root / record.project / record.experiment / "events.jsonl"
     if isinstance(record, StepSummary):
         return root / record.project / record.experiment / "steps.jsonl"
-    key = record.key
-    step = "none" if key.step is None else f"{key.step:06d}"
-    prefix = "validate-step-" if key.validate else "step-"
-    return root / key.project / key.experiment / f"{prefix}{step}.jsonl"
+    if isinstance(record, Annotation):
+        project, experiment, step_number, validate = (
+            record.project, record.experiment, record.step, record.validate
+        )  # fmt: skip
+    else:
+        key = record.key
+        project, experiment, step_number, validate = (
+            key.project, key.experiment, key.step, bool(key.validate)
+        )  # fmt: skip
+    step = "none" if step_number is None else f"{step_number:06d}"
+    prefix = "validate-step-" if validate else "step-"
+    return root / project / experiment / f"{prefix}{step}.jsonl"
 
 
 class JsonlExporter:

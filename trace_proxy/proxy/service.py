@@ -9,12 +9,14 @@ trajectory, export or count everything, then close the upstream connections.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import socket
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -31,6 +33,7 @@ from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.rewards import RewardError, parse_outcome
 from trace_proxy.trajectories.sampler import Policy, Sampler
 from trace_proxy.trajectories.token2text import Token2Text, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
@@ -72,6 +75,7 @@ class ProxyService:
                 ),
                 self.pipeline.submit,
                 on_drop=lambda what, why: self.metrics.sampler_dropped.labels(what, why).inc(),
+                on_count=lambda what, outcome, n: self.metrics.sampled.labels(what, outcome).inc(n),
             ),
         )
         self.capture = CaptureStage(
@@ -184,7 +188,25 @@ class ProxyService:
         app = web.Application()
         app.router.add_get("/metrics", self._metrics_endpoint)
         app.router.add_get("/health", self._health_endpoint)
+        app.router.add_post("/rewards", self._rewards_endpoint)
         return app
+
+    async def _rewards_endpoint(self, request: web.Request) -> web.Response:
+        """Attach a reward, score or labels to a trajectory (see trajectories/rewards.py)."""
+        token = self.settings.admin_token
+        if token is not None and not hmac.compare_digest(
+            request.headers.get("Authorization", ""), f"Bearer {token}"
+        ):
+            return web.json_response({"error": "a valid admin token is required"}, status=401)
+        try:
+            outcome = parse_outcome(orjson.loads(await request.read()))
+        except orjson.JSONDecodeError as exc:
+            return web.json_response({"error": f"the body is not JSON: {exc}"}, status=400)
+        except RewardError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        where = self.assembler.annotate(outcome)
+        self.metrics.rewards.labels(where).inc()
+        return web.json_response({"attached_to": where})
 
     async def _metrics_endpoint(self, request: web.Request) -> web.Response:
         body = generate_latest(self.metrics.registry)

@@ -30,6 +30,7 @@ from trace_proxy.trajectories.record import (
     ToolCall,
     Trajectory,
 )
+from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
 
 
@@ -42,6 +43,7 @@ class _Open:
     calls: list[GenerateCall] = field(default_factory=list)
     tools: list[ToolCall] = field(default_factory=list)  # seen directly (HTTP tool servers)
     annotations: list[dict[str, Any]] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)  # rewards posted while open
 
 
 class Assembler:
@@ -151,6 +153,30 @@ class Assembler:
         trajectory.last_activity = now
         return trajectory
 
+    def annotate(self, outcome: Outcome) -> str:
+        """Attach a reward/score/labels: `open`, `waiting`, `exported` or `unknown` (recorded
+        all the same) says where the trajectory was."""
+        target = outcome.target
+        project = target.get("project", self._project)
+        direct: tuple[Any, ...] | None = None
+        if "trajectory_id" in target:
+            direct = ("id", project, target["trajectory_id"])
+        elif {"experiment", "step", "sample_index", "rollout_n"} <= target.keys():
+            direct = (
+                "key", project, target["experiment"], target["step"],
+                bool(target.get("validate", False)), target["sample_index"], target["rollout_n"],
+            )  # fmt: skip
+        hits = [self._open[direct]] if direct in self._open else []
+        if direct is None:
+            hits = [t for t in self._open.values() if matches(t.key, target)]
+        for trajectory in hits:
+            trajectory.outcomes.append(outcome)
+        if hits:
+            return "open"
+        if self._gate is None:
+            return "unknown"
+        return self._gate.annotate(outcome, project, target.get("experiment", self._experiment))
+
     def add_event(self, event: StepEvent) -> None:
         if event.event in WEIGHT_UPDATE_EVENTS and self._inference is not None:
             self._inference.weight_update(event.project, event.experiment)
@@ -257,6 +283,12 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
         )
     share_prefixes(calls)
     errors = sum(1 for c in calls if c.error is not None)
+    reward = score = None
+    labels: dict[str, Any] = {}
+    for outcome in open_.outcomes:  # later posts win
+        reward = outcome.reward if outcome.reward is not None else reward
+        score = outcome.score if outcome.score is not None else score
+        labels.update(outcome.labels)
     times = [c.start for c in calls] + [t.start for t in tools]
     ends = [c.end or c.start for c in calls] + [t.end or t.start for t in tools]
     return Trajectory(
@@ -271,6 +303,9 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
         upstreams=list(dict.fromkeys(c.upstream for c in calls)),
         weight_versions=[v for v in dict.fromkeys(c.weight_version for c in calls) if v],
         annotations=open_.annotations,
+        reward=reward,
+        score=score,
+        labels=labels,
         part=open_.part,
         summary={
             "calls": len(calls),

@@ -9,11 +9,19 @@ counted. When a step ends, a summary record says what it produced and what was k
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from trace_proxy.trajectories.record import Record, RolloutKey, StepSummary, Trajectory
+from trace_proxy.trajectories.record import (
+    Annotation,
+    Record,
+    RolloutKey,
+    StepSummary,
+    Trajectory,
+)
+from trace_proxy.trajectories.rewards import ExportedIndex, Outcome, apply, matches
 from trace_proxy.trajectories.sampler import Fate, Sampler
 
 StepScope = tuple[str, str, bool, Any]  # project, experiment, validate, step
@@ -38,7 +46,9 @@ class SamplingGate:
         *,
         max_waiting: int = 50_000,
         on_drop: Callable[[str, str], None] | None = None,
+        on_count: Callable[[str, str, int], None] | None = None,
     ) -> None:
+        self._on_count = on_count  # (calls|trajectories, seen|kept|dropped_by_sampler, n)
         self._sampler = sampler
         self._emit = emit
         self._max_waiting = max_waiting
@@ -46,6 +56,7 @@ class SamplingGate:
         self._summaries: OrderedDict[StepScope, StepSummary] = OrderedDict()
         self._waiting: OrderedDict[str, tuple[StepScope, Any, Trajectory]] = OrderedDict()
         self._refused: dict[StepScope, set[tuple[Any, Any]]] = {}
+        self._exported = ExportedIndex()
 
     @property
     def active(self) -> bool:
@@ -60,10 +71,12 @@ class SamplingGate:
         scope = scope_of(key)
         summary = self._summary(scope)
         summary.calls_seen += 1
+        self._count("calls", "seen", 1)
         fate, _ = self._sampler.decide(key.experiment, key.step, bool(key.validate), sample_of(key))
         if fate is not Fate.DROP:
             return True
         summary.calls_dropped_by_sampler += 1
+        self._count("calls", "dropped_by_sampler", 1)
         refused = self._refused.setdefault(scope, set())
         rollout = (
             sample_of(key),
@@ -73,6 +86,8 @@ class SamplingGate:
             refused.add(rollout)
             summary.trajectories_seen += 1
             summary.trajectories_dropped_by_sampler += 1
+            self._count("trajectories", "seen", 1)
+            self._count("trajectories", "dropped_by_sampler", 1)
         self._dropped("call", "sampler")
         return False
 
@@ -81,6 +96,7 @@ class SamplingGate:
         key = trajectory.key
         scope = scope_of(key)
         self._summary(scope).trajectories_seen += 1
+        self._count("trajectories", "seen", 1)
         policy = self._sampler.policy(bool(key.validate))
         if policy.max_samples is None:
             self._export(scope, trajectory)
@@ -110,6 +126,34 @@ class SamplingGate:
         if summary is not None:
             self._emit(summary)
 
+    def annotate(self, outcome: Outcome, project: str, experiment: str) -> str:
+        """A reward for a trajectory that is no longer open: on its record if it still waits
+        for its step, else an annotation record next to the exported one (or, when this proxy
+        never exported it, next to where it would be)."""
+        waiting = [t for _, _, t in self._waiting.values() if matches(t.key, outcome.target)]
+        for trajectory in waiting:
+            apply(trajectory, outcome)
+        if waiting:
+            return "waiting"
+        found = self._exported.find(outcome.target)
+        target = outcome.target
+        key = found[0][1] if found else None
+        self._emit(
+            Annotation(
+                project=key.project if key else target.get("project", project),
+                experiment=key.experiment if key else target.get("experiment", experiment),
+                step=key.step if key else target.get("step"),
+                validate=bool(key.validate) if key else bool(target.get("validate", False)),
+                target=target,
+                trajectories=[record_id for record_id, _ in found],
+                time=time.time(),
+                reward=outcome.reward,
+                score=outcome.score,
+                labels=outcome.labels,
+            )
+        )
+        return "exported" if found else "unknown"
+
     def end_steps_before(self, project: str, experiment: str, validate: bool, step: int) -> None:
         """A later step has started: every earlier step of the same run is over."""
         for scope in self._scopes():
@@ -136,13 +180,21 @@ class SamplingGate:
         summary = self._summary(scope)
         summary.trajectories_kept += 1
         summary.calls_kept += len(trajectory.calls)
+        self._count("trajectories", "kept", 1)
+        self._count("calls", "kept", len(trajectory.calls))
+        self._exported.add(trajectory)
         self._emit(trajectory)
 
     def _drop(self, scope: StepScope, trajectory: Trajectory, reason: str = "sampler") -> None:
         summary = self._summary(scope)
         summary.trajectories_dropped_by_sampler += 1
         summary.calls_dropped_by_sampler += len(trajectory.calls)
+        self._count("trajectories", "dropped_by_sampler", 1)
         self._dropped("trajectory", reason)
+
+    def _count(self, what: str, outcome: str, n: int) -> None:
+        if self._on_count is not None and n:
+            self._on_count(what, outcome, n)
 
     def _dropped(self, what: str, reason: str) -> None:
         if self._on_drop is not None:

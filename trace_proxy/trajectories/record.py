@@ -159,6 +159,9 @@ class Trajectory:
     upstreams: list[str] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
     annotations: list[dict[str, Any]] = field(default_factory=list)
+    reward: float | None = None
+    score: float | None = None
+    labels: dict[str, Any] = field(default_factory=dict)
     part: int = 1
     summary: dict[str, int] = field(default_factory=dict)
     schema: str = SCHEMA_VERSION
@@ -183,7 +186,26 @@ class StepSummary:
     record: Literal["step_summary"] = "step_summary"
 
 
-Record = Trajectory | StepEvent | StepSummary
+@dataclass(slots=True)
+class Annotation:
+    """A reward, score or labels that arrived after its trajectory was exported (or for one
+    this proxy never saw): readers apply it to the trajectories listed in `trajectories`."""
+
+    project: str
+    experiment: str
+    step: int | None
+    validate: bool
+    target: dict[str, Any]  # what the caller named: trajectory_id, or key fields
+    trajectories: list[str]  # record ids it applies to; empty when none is known here
+    time: float
+    reward: float | None = None
+    score: float | None = None
+    labels: dict[str, Any] = field(default_factory=dict)
+    schema: str = SCHEMA_VERSION
+    record: Literal["annotation"] = "annotation"
+
+
+Record = Trajectory | StepEvent | StepSummary | Annotation
 
 
 def dumps(record: Record) -> bytes:

@@ -1,0 +1,112 @@
+"""Rewards posted to the admin port land on the trajectory, wherever it is by then."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from fakes import FakeVLLM
+from proxy_helpers import running_proxy, trajectories
+
+from trace_proxy.client import RewardRejected, post_reward
+from trace_proxy.show import iter_records, show
+
+
+async def generate(proxy: str, headers: dict[str, str]) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "tiny-qwen", "prompt": [1, 2, 3, 4], "max_tokens": 3}
+        async with session.post(proxy + "/v1/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+
+
+def key(step: int, sample: int, rollout: int = 0) -> dict[str, str]:
+    return {"X-Rollout-Experiment": "exp", "X-Rollout-Step": str(step),
+            "X-Rollout-Sample-Index": str(sample), "X-Rollout-N": str(rollout)}  # fmt: skip
+
+
+async def reward(admin: str, **fields: Any) -> str:
+    """The helper is synchronous (for training code): call it off the proxy's event loop."""
+    return await asyncio.to_thread(post_reward, admin, **fields)
+
+
+async def test_rewards_while_open_after_export_and_for_unknown_trajectories(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path
+) -> None:
+    _, upstream = fake_vllm
+    async with running_proxy([upstream], tmp_path) as (service, proxy):
+        assert service.addresses is not None and service.addresses.admin is not None
+        admin = service.addresses.admin
+        await generate(proxy, key(1, 0))
+        await generate(proxy, {**key(1, 1), "X-Rollout-Trajectory-Id": "t-1"})
+        await service.capture.drain()
+        assert await reward(admin, reward=1.0, experiment="exp", step=1, sample_index=0,
+                            rollout_n=0, labels={"correct": True}) == "open"  # fmt: skip
+        await generate(proxy, key(2, 0))  # step 2 starts: step 1 is closed and exported
+        await service.capture.drain()
+        assert await reward(admin, score=0.25, trajectory_id="t-1") == "exported"
+        assert await reward(admin, reward=-1.0, experiment="exp", step=9, sample_index=4) == (
+            "unknown"
+        )
+    by_sample = {(t["key"]["step"], t["key"]["sample_index"]): t for t in trajectories(tmp_path)}
+    assert by_sample[(1, 0)]["reward"] == 1.0
+    assert by_sample[(1, 0)]["labels"] == {"correct": True}
+    assert by_sample[(1, 1)]["score"] is None  # exported before the score: see its annotation
+    notes = [r for _, r in iter_records(tmp_path) if r.get("record") == "annotation"]
+    late = next(n for n in notes if n["target"] == {"trajectory_id": "t-1"})
+    assert late["trajectories"] == [by_sample[(1, 1)]["id"]] and late["score"] == 0.25
+    assert (tmp_path / "default/exp/step-000001.jsonl").read_text().count('"annotation"') == 1
+    unknown = next(n for n in notes if n["target"].get("step") == 9)
+    assert unknown["trajectories"] == [] and unknown["reward"] == -1.0
+    out = io.StringIO()
+    show(tmp_path, out=out)
+    text = out.getvalue()
+    assert "step 1 · sample 0 · rollout 0" in text and "reward 1, correct=True" in text
+    assert "score 0.25" in text
+    assert "no such trajectory stored here" in text
+
+
+async def test_a_reward_for_a_sampling_candidate_waits_with_it(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path
+) -> None:
+    _, upstream = fake_vllm
+    async with running_proxy([upstream], tmp_path, max_samples_per_step=100) as (service, proxy):
+        assert service.addresses is not None and service.addresses.admin is not None
+        headers = {**key(1, 0), "X-Rollout-Done": "true"}
+        await generate(proxy, headers)
+        await service.capture.drain()
+        where = await reward(
+            service.addresses.admin, reward=0.5, experiment="exp", step=1, sample_index=0,
+            rollout_n=0,
+        )  # fmt: skip
+        assert where == "waiting"
+    [trajectory] = trajectories(tmp_path)
+    assert trajectory["reward"] == 0.5
+
+
+async def test_bad_requests_and_the_admin_token(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path
+) -> None:
+    _, upstream = fake_vllm
+    async with running_proxy([upstream], tmp_path, admin_token="s3cret") as (service, _):
+        assert service.addresses is not None and service.addresses.admin is not None
+        admin = service.addresses.admin
+        with pytest.raises(RewardRejected, match="401"):
+            await reward(admin, reward=1.0, trajectory_id="x")
+        assert await reward(admin, reward=1.0, trajectory_id="x", token="s3cret") == "unknown"
+        for fields, message in (
+            ({"reward": 1.0}, "name the trajectory"),
+            ({"trajectory_id": "x"}, "nothing to attach"),
+            ({"trajectory_id": "x", "reward": "high"}, "'reward' must be a number"),
+            ({"sample_index": -1, "reward": 1}, "non-negative"),
+        ):
+            async with aiohttp.ClientSession() as session:
+                async with session.post(
+                    admin + "/rewards", json=fields, headers={"Authorization": "Bearer s3cret"}
+                ) as response:
+                    assert response.status == 400
+                    assert message in (await response.json())["error"]
+    assert b"s3cret" not in b"".join(p.read_bytes() for p in tmp_path.rglob("*.jsonl"))
