@@ -37,7 +37,8 @@ async def test_rewards_while_open_after_export_and_for_unknown_trajectories(
     fake_vllm: tuple[FakeVLLM, str], tmp_path: Path
 ) -> None:
     _, upstream = fake_vllm
-    async with running_proxy([upstream], tmp_path) as (service, proxy):
+    # Synchronous RL: a step's trajectories close as soon as the next step starts.
+    async with running_proxy([upstream], tmp_path, step_close_grace=0) as (service, proxy):
         assert service.addresses is not None and service.addresses.admin is not None
         admin = service.addresses.admin
         await generate(proxy, key(1, 0))

@@ -233,6 +233,9 @@ OPTIONS: tuple[Option, ...] = (
            "mid-response (default: no limit; generations run for minutes)", metavar="SECONDS"),
     Option("idle_timeout", parse_seconds, 300.0,
            "close a trajectory after this many seconds without a call", metavar="SECONDS"),
+    Option("step_close_grace", parse_optional_seconds, 5.0, "when a later step starts, close "
+           "the earlier step's trajectories once idle this long (asynchronous rollouts can "
+           "outlive a weight update; 0: at once)", metavar="SECONDS"),
     Option("shutdown_grace", parse_seconds, 30.0, "on SIGTERM/SIGINT, seconds to let in-flight "
            "requests finish before records are flushed", metavar="SECONDS"),
     Option("map", _mapping, ["header:X-Session-ID=trajectory_id"],
@@ -290,6 +293,7 @@ class Settings:
     connect_timeout: float = 10.0
     read_timeout: float | None = None
     idle_timeout: float = 300.0
+    step_close_grace: float | None = 5.0
     shutdown_grace: float = 30.0
     map: list[str] = field(default_factory=lambda: ["header:X-Session-ID=trajectory_id"])
     token2text: bool = False

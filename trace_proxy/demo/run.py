@@ -181,6 +181,7 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
         port=0,
         admin_port=0,
         token2text=True,  # the demo has its tokenizer at hand: show the decoded text too
+        step_close_grace=0.0,  # synchronous RL: a step's rollouts are over before new weights
         tokenizer=settings.tokenizer or [str(ensure_qwen_tokenizer())],
     )
     service = ProxyService(settings)

@@ -63,6 +63,7 @@ class ProxyService:
             project=settings.project,
             experiment=settings.experiment,
             idle_timeout=settings.idle_timeout,
+            step_close_grace=settings.step_close_grace or 0.0,
             on_close=lambda reason: self.metrics.trajectories_closed.labels(reason).inc(),
             inference=TrafficInference(on_evict=self.metrics.inference_evicted.inc),
             gate=SamplingGate(

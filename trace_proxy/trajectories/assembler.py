@@ -59,7 +59,9 @@ class Assembler:
         clock: Callable[[], float] = time.monotonic,
         inference: TrafficInference | None = None,
         gate: SamplingGate | None = None,
+        step_close_grace: float = 0.0,
     ) -> None:
+        self._step_close_grace = step_close_grace
         self._inference = inference
         self._gate = gate
         self._emit = emit
@@ -92,9 +94,8 @@ class Assembler:
     def add_call(self, hints: KeyHints, call: GenerateCall, admitted: bool = False) -> None:
         """`admitted`: the sampler already let this call in (see `refuses`)."""
         key = self._key(hints)
-        placement = None
         if self._identity(key) is None and self._inference is not None:
-            placement = self._inference.place(key, call)
+            self._inference.place(key, call)
         if self._gate is not None and not admitted and not self._gate.admit(key):
             self._close_older_steps(key)
             return
@@ -104,8 +105,9 @@ class Assembler:
             single.calls.append(call)
             self._finish(single, "single_call")
             return
-        if placement is not None and placement.resumed and trajectory.calls:
-            merge_resumed(max(trajectory.calls, key=lambda c: c.start), call)
+        latest = max(trajectory.calls, key=lambda c: c.start) if trajectory.calls else None
+        if latest is not None and resumes(latest, call):
+            merge_resumed(latest, call)
         else:
             trajectory.calls.append(call)
         if hints.values.get("done") is True:
@@ -183,13 +185,17 @@ class Assembler:
         self._emit(event)
 
     def close_idle(self) -> None:
-        deadline = self._clock() - self._idle_timeout
+        """Periodic: close trajectories idle for `idle_timeout`, and those of finished steps
+        idle for `step_close_grace`."""
+        now = self._clock()
+        deadline = now - self._idle_timeout
         while self._open:
             identity, oldest = next(iter(self._open.items()))
             if oldest.last_activity > deadline:
                 break
             del self._open[identity]
             self._close(oldest, "idle")
+        self._close_finished_steps(now)
 
     def close_all(self, reason: str = "shutdown") -> None:
         while self._open:
@@ -235,19 +241,32 @@ class Assembler:
         if latest is not None and key.step <= latest:
             return
         self._latest_step[scope] = key.step
-        if latest is None:
+        if latest is not None:
+            self._close_finished_steps(self._clock())
+
+    def _close_finished_steps(self, now: float) -> None:
+        """Trajectories of a step older than their run's latest are closed once idle for
+        `step_close_grace` (an asynchronous rollout can outlive a weight update), except one
+        whose last call was aborted: it will be resumed, so only the idle timeout closes it.
+        A step ends (sampling decided, summary written) when none of its trajectories is open."""
+        if not self._latest_step:
             return
-        stale = [
-            identity
-            for identity, t in self._open.items()
-            if (t.key.project, t.key.experiment, bool(t.key.validate)) == scope
-            and t.key.step is not None
-            and t.key.step < key.step
-        ]
-        for identity in stale:
-            self._close(self._open.pop(identity), "step_change")
+        quiet_since = now - self._step_close_grace
+        still_open: set[tuple[str, str, bool, int]] = set()
+        for identity, t in list(self._open.items()):
+            scope = (t.key.project, t.key.experiment, bool(t.key.validate))
+            latest = self._latest_step.get(scope)
+            if latest is None or t.key.step is None or t.key.step >= latest:
+                continue
+            if t.last_activity <= quiet_since and not _awaits_resume(t):
+                del self._open[identity]
+                self._close(t, "step_change")
+            else:
+                still_open.add((*scope, t.key.step))
         if self._gate is not None:
-            self._gate.end_steps_before(key.project, key.experiment, bool(key.validate), key.step)
+            for run, latest in self._latest_step.items():
+                keep = {step for *open_run, step in still_open if tuple(open_run) == run}
+                self._gate.end_steps_before(*run, latest, keep=keep)
 
     def _close(self, trajectory: _Open, reason: str) -> None:
         identity = self._identity(trajectory.key)
@@ -316,6 +335,27 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
             "completion_tokens": completion_tokens,
         },
     )
+
+
+def _awaits_resume(trajectory: _Open) -> bool:
+    if not trajectory.calls:
+        return False
+    latest = max(trajectory.calls, key=lambda c: c.start)
+    return bool(latest.outputs) and latest.outputs[0].finish_reason == "abort"
+
+
+def resumes(previous: GenerateCall, call: GenerateCall) -> bool:
+    """Is `call` the interrupted `previous` generate, re-sent with what it had generated so far
+    (AReaL after an abort)?"""
+    first = previous.outputs[0] if previous.outputs else None
+    if first is None or first.finish_reason != "abort":
+        return False
+    before, now = previous.prompt, call.prompt
+    if before.token_ids is not None and now.token_ids is not None:
+        return now.token_ids == [*before.token_ids, *(first.token_ids or [])]
+    if before.text is not None and now.text is not None:
+        return now.text == before.text + (first.text or "")
+    return False
 
 
 def merge_resumed(target: GenerateCall, call: GenerateCall) -> None:

@@ -154,11 +154,20 @@ class SamplingGate:
         )
         return "exported" if found else "unknown"
 
-    def end_steps_before(self, project: str, experiment: str, validate: bool, step: int) -> None:
-        """A later step has started: every earlier step of the same run is over."""
+    def end_steps_before(
+        self,
+        project: str,
+        experiment: str,
+        validate: bool,
+        step: int,
+        keep: frozenset[int] | set[int] = frozenset(),
+    ) -> None:
+        """A later step has started: the earlier steps of the same run are over, except those
+        in `keep` (some of their trajectories are still open)."""
         for scope in self._scopes():
             p, e, v, s = scope
-            if (p, e, v) == (project, experiment, validate) and s is not None and s < step:
+            same_run = (p, e, v) == (project, experiment, validate)
+            if same_run and s is not None and s < step and s not in keep:
                 self.end_step(*scope)
 
     def end_all(self) -> None:

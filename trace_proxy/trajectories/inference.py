@@ -37,12 +37,8 @@ class _Context:
     bucket: Hashable
     sequence: Sequence[Any] | str  # the prompt + response a continuation would start with
     last_finish: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Placement:
-    trajectory_id: str
-    resumed: bool  # the call resumes the trajectory's last (aborted) call
+    sample_hash: str
+    rollout_n: int
 
 
 def _canonical_arguments(arguments: Any) -> str:
@@ -135,23 +131,25 @@ class TrafficInference:
         """Seen a weight-update route: the next new rollout belongs to the next step."""
         self._update_pending.add((project, experiment))
 
-    def place(self, key: RolloutKey, call: GenerateCall) -> Placement | None:
+    def place(self, key: RolloutKey, call: GenerateCall) -> None:
         """Fill in what `key` lacks (trajectory_id, step, sample_hash, rollout_n) from the
-        traffic; None when the call has no prompt to go by."""
+        traffic; nothing when the call has no prompt to go by. (Whether the call resumes an
+        aborted one is the assembler's to see, from the calls themselves.)"""
         sequence = _sequence(call)
         if sequence is None:
-            return None
+            return
         scope = (key.project, key.experiment)
         self._note_version(scope, call.weight_version)
         context = self._continued(sequence)
         if context is not None:
-            resumed = context.last_finish == "abort" and len(sequence) == len(context.sequence)
             self._contexts.move_to_end(context.trajectory_id)
             context.sequence = _with_response(call, sequence)
             context.last_finish = call.outputs[0].finish_reason if call.outputs else None
             self._set(key, "trajectory_id", context.trajectory_id, "inferred:prefix")
             self._set(key, "step", context.step, "inferred:weight_updates")
-            return Placement(context.trajectory_id, resumed)
+            self._set(key, "sample_hash", context.sample_hash, "inferred:first_prompt")
+            self._set(key, "rollout_n", context.rollout_n, "inferred:order_in_group")
+            return
         step = self._current_step(scope)
         self._set(key, "step", step, "inferred:weight_updates")
         step = key.step if key.step is not None else step
@@ -172,10 +170,11 @@ class TrafficInference:
                 bucket=_bucket(_kind(sequence), sequence, BUCKET_ITEMS),
                 sequence=_with_response(call, sequence),
                 last_finish=call.outputs[0].finish_reason if call.outputs else None,
+                sample_hash=sample_hash,
+                rollout_n=rollout,
             ),
             len(sequence),
         )
-        return Placement(trajectory_id, False)
 
     @staticmethod
     def _set(key: RolloutKey, name: str, value: Any, source: str) -> None:
@@ -206,7 +205,11 @@ class TrafficInference:
             for trajectory_id in self._buckets.get(_bucket(kind, sequence, items), ()):
                 context = self._contexts[trajectory_id]
                 known = context.sequence
-                extends = len(known) <= len(sequence) and sequence[: len(known)] == known
+                # Strictly longer (a new turn), or equal after an abort (a resumed generate).
+                longer = len(known) < len(sequence) or (
+                    len(known) == len(sequence) and context.last_finish == "abort"
+                )
+                extends = longer and sequence[: len(known)] == known
                 if extends and (best is None or len(known) > len(best.sequence)):
                     best = context
         return best

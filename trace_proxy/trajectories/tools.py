@@ -89,9 +89,11 @@ def text_tool_spans(
             continue
         follow = calls[position + 1] if position + 1 < len(calls) else None
         results = _results_after(position, calls, full_prompts, decode, parser)
+        if len(results) != len(parsed.calls):
+            results = []  # calls and results do not line up: pairing them would misattribute
         end = follow.start if follow is not None else None
         for k, found in enumerate(parsed.calls):
-            result = results[k] if k < len(results) else None
+            result = results[k] if results else None
             spans.append(
                 ToolCall(
                     index=len(spans), observed="parsed_from_text",

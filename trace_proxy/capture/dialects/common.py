@@ -127,6 +127,27 @@ def chosen_logprobs(logprobs: Any) -> list[float] | None:
     return None
 
 
+def ids_from_logprob_tokens(logprobs: Any) -> list[int] | None:
+    """With `return_tokens_as_token_ids` (AReaL's payload), vLLM names each sampled token
+    `"token_id:123"` in the logprobs instead of returning `token_ids`."""
+    if not isinstance(logprobs, dict):
+        return None
+    tokens = logprobs.get("tokens")  # completions
+    if tokens is None and isinstance(logprobs.get("content"), list):  # chat
+        tokens = [item.get("token") for item in logprobs["content"] if isinstance(item, dict)]
+    if not isinstance(tokens, list) or not tokens:
+        return None
+    ids = []
+    for token in tokens:
+        if not isinstance(token, str) or not token.startswith("token_id:"):
+            return None
+        try:
+            ids.append(int(token[len("token_id:") :]))
+        except ValueError:
+            return None
+    return ids
+
+
 def normalize_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
     """OpenAI tool calls in one shape: {id, type, function: {name, arguments}}."""
     if not isinstance(calls, list) or not calls:
@@ -201,7 +222,9 @@ class ChoiceStream:
             self._text[index].append(text)
         if isinstance(reasoning, str) and reasoning:
             self._reasoning.setdefault(index, []).append(reasoning)
-        ids = as_int_list(choice.get("token_ids"))
+        ids = as_int_list(choice.get("token_ids")) or ids_from_logprob_tokens(
+            choice.get("logprobs")
+        )
         if ids:
             self._ids.setdefault(index, []).extend(ids)
         prompt_ids = as_int_list(choice.get("prompt_token_ids"))

@@ -16,6 +16,7 @@ from trace_proxy.capture.dialects.common import (
     as_int_list,
     chosen_logprobs,
     fill_response,
+    ids_from_logprob_tokens,
     new_call,
     normalize_tool_calls,
     stream_error,
@@ -60,7 +61,8 @@ def _from_response(call: GenerateCall, body: Any) -> None:
                 index=int(choice.get("index") or 0),
                 text=message.get("content") or None,
                 token_ids=as_int_list(choice.get("token_ids"))
-                or as_int_list(choice.get("response_token_ids")),
+                or as_int_list(choice.get("response_token_ids"))
+                or ids_from_logprob_tokens(choice.get("logprobs")),
                 logprobs=chosen_logprobs(choice.get("logprobs")),
                 finish_reason=choice.get("finish_reason"),
                 stop_reason=choice.get("stop_reason", choice.get("matched_stop")),

@@ -16,6 +16,7 @@ from trace_proxy.capture.dialects.common import (
     as_int_list,
     chosen_logprobs,
     fill_response,
+    ids_from_logprob_tokens,
     new_call,
     stream_error,
     stream_events,
@@ -76,7 +77,8 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
                 Output(
                     index=index,
                     text=choice.get("text") or None,
-                    token_ids=as_int_list(choice.get("token_ids")),
+                    token_ids=as_int_list(choice.get("token_ids"))
+                    or ids_from_logprob_tokens(choice.get("logprobs")),
                     logprobs=chosen_logprobs(choice.get("logprobs")),
                     finish_reason=choice.get("finish_reason"),
                     stop_reason=choice.get("stop_reason", choice.get("matched_stop")),
