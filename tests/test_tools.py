@@ -145,3 +145,8 @@ def test_text_tool_spans_from_token_ids_even_when_the_turn_is_re_rendered(
     assert [(s.start, s.end) for s in spans] == [(1.0, 3.0), (1.0, 3.0)]
     assert spans[1].error is not None and spans[1].error.type == "tool_error"
     assert first.outputs[0].response_text == said
+    # The second prompt re-renders the first response, so the pieces do not spell out the
+    # transcript: it is stored whole.
+    assert trajectory.transcript == qwen_tokenizer.decode(
+        [*(second.prompt.token_ids or []), *(second.outputs[0].token_ids or [])]
+    )

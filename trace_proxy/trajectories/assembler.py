@@ -301,6 +301,7 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
             usage.get("completion_tokens") or sum(len(o.token_ids or ()) for o in call.outputs)
         )
     share_prefixes(calls)
+    _store_once(calls)
     errors = sum(1 for c in calls if c.error is not None)
     reward = score = None
     labels: dict[str, Any] = {}
@@ -335,6 +336,18 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
             "completion_tokens": completion_tokens,
         },
     )
+
+
+def _store_once(calls: list[GenerateCall]) -> None:
+    """Headers every turn repeats are kept on the first call only; null usage entries go."""
+    previous: dict[str, str] | None = None
+    for call in calls:
+        current = call.request_headers
+        if current is not None and current == previous:
+            call.request_headers = None
+        previous = current
+        if call.usage:
+            call.usage = {k: v for k, v in call.usage.items() if v is not None}
 
 
 def _awaits_resume(trajectory: _Open) -> bool:

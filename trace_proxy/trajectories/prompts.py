@@ -123,3 +123,53 @@ def full_token_ids(calls: list[GenerateCall]) -> list[list[int] | None]:
             context = [*(full[ref] or []), *(first or [])]
             full.append(context[: lengths["token_ids"]] + prompt.token_ids)
     return full
+
+
+def pieces_text(calls: Sequence[dict[str, Any] | GenerateCall]) -> str | None:
+    """The transcript as the calls' decoded pieces tell it, when each call extends the whole of
+    the one before (prompt + response): first prompt, then response, added text, response...
+    None when a call re-renders or drops part of what came before (the trajectory branches)."""
+    text = ""
+    previous_context: int | None = None
+    for position, call in enumerate(calls):
+        data = call if isinstance(call, dict) else _call_dict(call)
+        prompt = data.get("prompt") or {}
+        prompt_text = data.get("prompt_text")
+        first = (data.get("outputs") or [{}])[0]
+        if prompt_text is None or first.get("response_text") is None:
+            return None
+        if position > 0:
+            lengths = prompt.get("prefix_len") or {}
+            if (
+                prompt.get("prefix_call") != position - 1
+                or lengths.get("token_ids") != previous_context
+            ):
+                return None
+        text += prompt_text + first["response_text"]
+        ids = prompt.get("token_ids") or []
+        shared = (prompt.get("prefix_len") or {}).get("token_ids", 0) if position else 0
+        previous_context = shared + len(ids) + len(first.get("token_ids") or [])
+    return text
+
+
+def _call_dict(call: GenerateCall) -> dict[str, Any]:
+    return {
+        "prompt": {
+            "token_ids": call.prompt.token_ids,
+            "prefix_call": call.prompt.prefix_call,
+            "prefix_len": call.prompt.prefix_len,
+        },
+        "prompt_text": call.prompt_text,
+        "outputs": [
+            {"response_text": o.response_text, "token_ids": o.token_ids} for o in call.outputs
+        ],
+    }
+
+
+def transcript_of(trajectory: dict[str, Any]) -> str | None:
+    """A stored trajectory's full decoded transcript: stored as such when the trajectory
+    branches, else rebuilt from its calls' decoded pieces (it is not stored twice)."""
+    stored = trajectory.get("transcript")
+    if stored is not None:
+        return str(stored)
+    return pieces_text(trajectory.get("calls") or [])

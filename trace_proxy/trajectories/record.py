@@ -91,7 +91,8 @@ class GenerateCall:
     weight_version: str | None = None
     error: CallError | None = None
     unparsed: str | None = None
-    request_headers: dict[str, str] = field(default_factory=dict)
+    # Credentials redacted; None: the same as the previous call's (stored once per trajectory).
+    request_headers: dict[str, str] | None = field(default_factory=dict)
     prompt_text: str | None = None  # token2text: the decoded prompt.token_ids (as stored)
     segments: list[dict[str, Any]] | None = None  # HTTP calls merged into this one (resumed)
     kind: Literal["generate"] = "generate"

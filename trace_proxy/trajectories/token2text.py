@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trace_proxy.trajectories.prompts import full_token_ids
+from trace_proxy.trajectories.prompts import full_token_ids, pieces_text
 from trace_proxy.trajectories.record import Record, Trajectory
 from trace_proxy.trajectories.toolparsers import ToolCallParser
 from trace_proxy.trajectories.tools import text_tool_spans
@@ -150,7 +150,10 @@ class Token2Text:
             decode, ids = decoders[position], full[position]
             if decode is not None and ids is not None:
                 first = calls[position].outputs[0].token_ids if calls[position].outputs else None
-                trajectory.transcript = decode([*ids, *(first or [])])
+                whole = decode([*ids, *(first or [])])
+                # Stored only when the calls' pieces do not already spell it out.
+                if pieces_text(calls[: position + 1]) != whole:
+                    trajectory.transcript = whole
                 break
         spans = text_tool_spans(calls, full, decoders, self._parser)
         if spans:
