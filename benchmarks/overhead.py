@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - started
     when = datetime.now(timezone.utc)
     document = render(command, when, seconds, environment, args, rows, cells, checks, facts)
-    args.output.write_text(document)
+    args.output.write_text(document + _other_sections(args.output))
     print(f"\nwrote {args.output}")
     if temporary and checks.ok:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -404,3 +404,15 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+OTHER_SECTIONS = ("\n## token2text decode throughput", "\n## Stored volume per trajectory")
+
+
+def _other_sections(path: Path) -> str:
+    """The other benchmarks' sections of RESULTS.md, kept when this one is rewritten."""
+    if not path.exists():
+        return ""
+    text = path.read_text()
+    starts = [i for i in (text.find(h) for h in OTHER_SECTIONS) if i >= 0]
+    return "\n" + text[min(starts) :].lstrip("\n") if starts else ""
