@@ -92,41 +92,47 @@ class Assembler:
         return False
 
     def add_call(self, hints: KeyHints, call: GenerateCall, admitted: bool = False) -> None:
-        """`admitted`: the sampler already let this call in (see `refuses`)."""
+        """`admitted`: the sampler already let this call in (see `admit_early`)."""
         key = self._key(hints)
         if self._identity(key) is None and self._inference is not None:
             self._inference.place(key, call)
-        if self._gate is not None and not admitted and not self._gate.admit(key):
-            self._close_older_steps(key)
+        found = self._destination(key, hints, admitted)
+        if found is None:
             return
-        trajectory = self._attach(key, hints)
-        if trajectory is None:
-            single = self._new(key, hints)
-            single.calls.append(call)
-            self._finish(single, "single_call")
-            return
+        trajectory, single = found
         latest = max(trajectory.calls, key=lambda c: c.start) if trajectory.calls else None
         if latest is not None and resumes(latest, call):
             merge_resumed(latest, call)
         else:
             trajectory.calls.append(call)
-        if hints.values.get("done") is True:
-            identity = self._identity(trajectory.key)
-            del self._open[identity]
+        if single:
+            self._finish(trajectory, "single_call")
+        elif hints.values.get("done") is True:
+            del self._open[self._identity(trajectory.key)]
             self._close(trajectory, "done")
 
     def add_tool(self, hints: KeyHints, tool: ToolCall) -> None:
         """A tool call seen directly (an HTTP tool server routed through the proxy)."""
-        key = self._key(hints)
-        if self._gate is not None and not self._gate.admit(key):
+        found = self._destination(self._key(hints), hints, admitted=False)
+        if found is None:
             return
+        trajectory, single = found
+        trajectory.tools.append(tool)
+        if single:
+            self._finish(trajectory, "single_call")
+
+    def _destination(
+        self, key: RolloutKey, hints: KeyHints, admitted: bool
+    ) -> tuple[_Open, bool] | None:
+        """Where a new call goes: None (the sampler drops it), the open trajectory its key
+        names, or (True) a trajectory of its own when the key names none."""
+        if self._gate is not None and not admitted and not self._gate.admit(key):
+            self._close_older_steps(key)
+            return None
         trajectory = self._attach(key, hints)
         if trajectory is None:
-            single = self._new(key, hints)
-            single.tools.append(tool)
-            self._finish(single, "single_call")
-            return
-        trajectory.tools.append(tool)
+            return self._new(key, hints), True
+        return trajectory, False
 
     def _new(self, key: RolloutKey, hints: KeyHints, part: int = 1) -> _Open:
         return _Open(
