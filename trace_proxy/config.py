@@ -268,6 +268,19 @@ OPTIONS: tuple[Option, ...] = (
            "--sample-rate for validation steps", metavar="P"),
     Option("sample_seed", parse_int, 0, "key of the sampling hash: the same seed keeps the same "
            "samples on every replica and after a restart", metavar="S"),
+    Option("otlp_endpoint", parse_upstream, "http://127.0.0.1:4318/v1/traces", "OTLP/HTTP "
+           "traces endpoint of the otlp backend", metavar="URL", commands=("serve", "demo")),
+    Option("otlp_header", parse_str, [], "header sent with every OTLP export, NAME=VALUE "
+           "(repeatable; e.g. authorization)", multiple=True, metavar="NAME=VALUE",
+           commands=("serve", "demo")),
+    Option("mlflow_tracking_uri", parse_str, None, "tracking URI of the mlflow backend (default: "
+           "MLFLOW_TRACKING_URI, else sqlite under --output)", metavar="URI",
+           commands=("serve", "demo")),
+    Option("mlflow_run", parse_str, None, "MLflow run the traces are linked to: a run id, or a "
+           "run name found or created in the experiment (default: the experiment name)",
+           metavar="RUN", commands=("serve", "demo")),
+    Option("trackio_dir", Path, None, "where the trackio backend keeps its database (default: "
+           "TRACKIO_DIR, else trackio's own default)", metavar="DIR", commands=("serve", "demo")),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
            "are counted as dropped", metavar="N"),
     Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
@@ -306,6 +319,11 @@ class Settings:
     validate_max_samples_per_step: int | None = None
     validate_sample_rate: float | None = None
     sample_seed: int = 0
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    otlp_header: list[str] = field(default_factory=list)
+    mlflow_tracking_uri: str | None = None
+    mlflow_run: str | None = None
+    trackio_dir: Path | None = None
     capture_queue: int = 10000
     log_level: str = "INFO"
 
@@ -386,7 +404,7 @@ def _parse(opt: Option, raw: Any, where: str) -> Any:
         else:
             raise ConfigError(f"invalid value for {where}: expected a list")
         # A comma-separated value is a list too, except for rules that may hold commas.
-        whole = opt.name in ("map", "tokenizer")  # values that may themselves hold commas
+        whole = opt.name in ("map", "tokenizer", "otlp_header")  # values that may hold commas
         split = [p for it in items for p in ([it] if whole else _split_commas(it))]
         try:
             return [opt.parse(p) for p in split]
