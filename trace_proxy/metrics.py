@@ -135,6 +135,19 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.export_lag = Gauge(
+            "trace_proxy_export_lag_seconds",
+            "Age of the newest record a backend has exported, at the time it was exported "
+            "(how far behind the traffic the backend is)",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_up = Gauge(
+            "trace_proxy_backend_up",
+            "1 while a backend's last export succeeded, 0 while it is failing",
+            ["backend"],
+            registry=r,
+        )
         self.export_queue = Gauge(
             "trace_proxy_export_queue",
             "Records waiting for a backend",

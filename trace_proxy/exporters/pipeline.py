@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from trace_proxy.exporters.base import Exporter, Processor
@@ -60,6 +61,8 @@ class ExportPipeline:
         self._processors.append(processor)
 
     def start(self) -> None:
+        for lane in self._lanes:
+            self._metrics.backend_up.labels(lane.exporter.name).set(1)
         loop = asyncio.get_running_loop()
         self._process_task = loop.create_task(self._process())
         for lane in self._lanes:
@@ -152,8 +155,17 @@ class ExportPipeline:
                               name, attempt, len(batch), exc)  # fmt: skip
                     return
                 self._metrics.export_retries.labels(name).inc()
+                self._metrics.backend_up.labels(name).set(0)
                 log.warning("backend %s failed (attempt %d): %s", name, attempt, exc)
                 await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
             else:
                 self._metrics.exported.labels(name).inc(len(batch))
+                self._metrics.backend_up.labels(name).set(1)
+                self._metrics.export_lag.labels(name).set(max(0.0, time.time() - _newest(batch)))
                 return
+
+
+def _newest(batch: list[Record]) -> float:
+    """When the newest record of a batch was complete (its end, or its time for events)."""
+    times = [getattr(r, "end", None) or getattr(r, "time", None) or 0.0 for r in batch]
+    return float(max(times, default=0.0))

@@ -1,0 +1,567 @@
+"""The trackio backend: one `trackio.Trace` per trajectory, in a local trackio project.
+
+What verl's rollout trace logs with `backend=trackio`, re-created from the proxy's records:
+`run.log({"rollout_trace/agent_loop": trackio.Trace(messages, metadata, spans)}, step=step)`
+in the run named after the experiment. `trackio show --project P` then lists the traces per
+step, with the conversation, the execution tree and the metadata (reward, key, token counts).
+
+- Storage: `$TRACKIO_DIR/<project>.db` (`--trackio-dir`; else `TRACKIO_DIR`, else trackio's
+  default `~/.cache/huggingface/trackio`). trackio reads TRACKIO_DIR once, when it is imported,
+  so a process holds one directory: a second exporter asking for another one is refused.
+- Runs: one per (project, experiment), created on first use with `trackio.init(project,
+  name=experiment)` and finished by `close()`. `trackio.init` keeps "the current run" in a
+  context variable and finishes the previous one, so each run is created in a context of its
+  own and logged through its `Run` object (module-level `trackio.log` does not work from the
+  export thread). A restarted proxy starts a new run with the same name (`resume="never"`):
+  resuming would overwrite the run's config, which may be the trainer's own.
+- Step: the trajectory's step; trajectories without one are logged at step 0 with
+  `metadata.step = None`. Validation trajectories share the step and carry `validate: true`.
+- Messages, the whole multi-turn conversation: for chat dialects the last call's full messages
+  and its response; for token dialects the decoded text (token2text, else the server's text):
+  a user message with the first prompt, an assistant message per response, the tool results as
+  `role: tool` messages answering `tool_calls` built from the parsed tool spans (text added by
+  the client that is not a tool result becomes a user message). The dashboard previews the first
+  assistant message, so one that only calls tools gets the calls written out as its content.
+- Spans: a root `agent_loop` span for the trajectory, a `generation` span per generate call
+  (model, usage, what the call added to the prompt, the response) and a `tool` span per tool
+  call, all children of the root, with ISO-8601 times and `duration_ms`.
+- Late rewards (`annotation` records) are logged as metadata-only traces (no messages) under
+  `rollout_trace/annotation` at the step they belong to. Step events and step summaries are not
+  exported to trackio.
+
+trackio writes in a background thread of each run (every 0.5 s) and only warns when a write
+fails, so an export never raises for storage errors; `close()` waits for the writes (trackio
+gives each run up to 30 s).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import os
+import sys
+from collections.abc import Iterable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
+from trace_proxy.trajectories.record import Annotation, Record, Trajectory, dumps
+
+if TYPE_CHECKING:
+    from trace_proxy.config import Settings
+
+log = logging.getLogger(__name__)
+
+TRACE_KEY = "rollout_trace/agent_loop"
+ANNOTATION_KEY = "rollout_trace/annotation"
+ROOT_NAME = "agent_loop"
+OPERATIONS = {
+    "openai.chat": "chat",
+    "openai.completions": "text_completion",
+    "vllm.generate": "generate",
+    "sglang.generate": "generate",
+}
+JSON = dict[str, Any]
+
+
+class TrackioExporter:
+    name = "trackio"
+
+    def __init__(self, project: str, directory: Path | None = None) -> None:
+        """`project`: where records that name no project go (records keep the project of
+        their key, as in the jsonl store); `directory`: trackio's TRACKIO_DIR."""
+        self._trackio = _import_trackio(directory)
+        from trackio.sqlite_storage import SQLiteStorage
+
+        self._storage = SQLiteStorage
+        self.project = project
+        self.directory = Path(self._trackio.utils.TRACKIO_DIR)
+        self._runs: dict[tuple[str, str], Any] = {}
+        self._refused: set[str] = set()
+
+    def export(self, records: list[Record]) -> None:
+        logged: list[tuple[tuple[str, str], int, str, Any]] = []
+        for record in records:
+            if isinstance(record, Trajectory):
+                key = record.key
+                where = (key.project or self.project, key.experiment)
+                step, name = key.step, TRACE_KEY
+            elif isinstance(record, Annotation):
+                where = (record.project or self.project, record.experiment)
+                step, name = record.step, ANNOTATION_KEY
+            else:
+                continue  # step events and step summaries: not exported to trackio
+            if not self._valid_project(where[0]):
+                continue
+            try:
+                trace = self._trace(record)
+            except Exception:  # a record this code cannot render: retrying will not help
+                log.exception("trackio: could not render record %s", _record_id(record))
+                continue
+            logged.append((where, 0 if step is None else step, name, trace))
+        # Every run first: a failure raises before anything is logged, so a retry repeats nothing.
+        for where in dict.fromkeys(where for where, *_ in logged):
+            self._run(*where)
+        for where, step, name, trace in logged:
+            self._runs[where].log({name: trace}, step=step)
+
+    def close(self) -> None:
+        runs, self._runs = self._runs, {}
+        for run in runs.values():
+            run.finish()  # waits for the run's writer thread
+
+    def _valid_project(self, project: str) -> bool:
+        if project in self._refused:
+            return False
+        try:
+            self._storage.validate_project_name(project)
+        except ValueError as exc:
+            self._refused.add(project)
+            log.error("trackio: records of project %r are not exported: %s", project, exc)
+            return False
+        return True
+
+    def _run(self, project: str, experiment: str) -> Any:
+        run = self._runs.get((project, experiment))
+        if run is None:
+            # A context of its own: trackio.init finishes the context's current run otherwise.
+            run = contextvars.Context().run(
+                self._trackio.init,
+                project=project,
+                name=experiment,
+                config={"logged_by": "trace-proxy", "experiment_name": experiment},
+                resume="never",
+                embed=False,
+                auto_log_cpu=False,
+                auto_log_gpu=False,
+            )
+            self._runs[(project, experiment)] = run
+            log.info("trackio: logging %s to run %r of project %r in %s "
+                     "(trackio show --project %s)", TRACE_KEY, experiment, project,
+                     self.directory, project)  # fmt: skip
+        return run
+
+    def _trace(self, record: Trajectory | Annotation) -> Any:
+        data: JSON = orjson.loads(dumps(record))
+        if isinstance(record, Annotation):
+            return self._trackio.Trace([], metadata=annotation_metadata(data))
+        messages, spans, metadata = render_trajectory(data)
+        return self._trackio.Trace(messages, metadata=metadata, spans=spans)
+
+
+def create(settings: Settings) -> TrackioExporter:
+    return TrackioExporter(settings.project, settings.trackio_dir)
+
+
+def _import_trackio(directory: Path | None) -> Any:
+    """trackio, with TRACKIO_DIR = `directory` (read by trackio once, at import)."""
+    if directory is not None:
+        directory = Path(directory).expanduser().absolute()
+        if "trackio" not in sys.modules:
+            os.environ["TRACKIO_DIR"] = str(directory)
+    try:
+        import trackio
+        import trackio.utils
+    except ImportError as exc:
+        raise RuntimeError(
+            "the trackio backend needs trackio: pip install 'trace-proxy[trackio]'"
+        ) from exc
+    current = Path(trackio.utils.TRACKIO_DIR).expanduser().absolute()
+    if directory is not None and current != directory:
+        raise RuntimeError(
+            f"trackio already keeps its data in {current} in this process (it reads TRACKIO_DIR "
+            f"once, when imported), so it cannot also use {directory}"
+        )
+    return trackio
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+
+def render_trajectory(data: JSON) -> tuple[list[JSON], list[JSON], JSON]:
+    """(messages, spans, metadata) of a trajectory in its JSON form."""
+    prompts = expand_prompts(data)
+    calls: list[JSON] = data.get("calls") or []
+    tools: list[JSON] = data.get("tools") or []
+    if prompts and prompts[-1].get("messages") is not None:
+        messages = chat_messages(calls, prompts)
+    else:
+        messages = token_messages(data, calls, prompts, tools)
+    ensure_visible_first_answer(messages)
+    return messages, spans_of(data, calls, tools), trajectory_metadata(data)
+
+
+def chat_messages(calls: list[JSON], prompts: list[JSON]) -> list[JSON]:
+    """The last call's full messages and its response."""
+    messages = [dict(m) for m in prompts[-1].get("messages") or [] if isinstance(m, dict)]
+    outputs = calls[-1].get("outputs") or []
+    if outputs:
+        messages.append(assistant_message(outputs[0]))
+    return messages
+
+
+def assistant_message(output: JSON, text: str | None = None) -> JSON:
+    message: JSON = {"role": "assistant", "content": output.get("text") if text is None else text}
+    if output.get("tool_calls"):
+        message["tool_calls"] = output["tool_calls"]
+    if output.get("reasoning"):
+        message["reasoning"] = output["reasoning"]
+    return message
+
+
+def token_messages(
+    data: JSON, calls: list[JSON], prompts: list[JSON], tools: list[JSON]
+) -> list[JSON]:
+    """The conversation from decoded text: the first prompt as a user message, then each
+    response, the tool results that followed it, and any other text the client added."""
+    if not calls:
+        return []
+    if not _linear(calls, prompts):  # the client re-rendered or dropped earlier turns
+        return _last_call_messages(data, calls[-1], prompts[-1], tools)
+    messages: list[JSON] = [{"role": "user", "content": _full_prompt_text(calls[0], prompts[0])}]
+    for position, call in enumerate(calls):
+        if position > 0:
+            answered = [s for s in _text_tools(tools, position - 1) if s.get("result") is not None]
+            added = _added_text(call)
+            if not answered and added:  # a user turn (interaction), not a tool result
+                messages.append({"role": "user", "content": added})
+        outputs = call.get("outputs") or []
+        if not outputs:
+            continue
+        messages.append(_token_answer(outputs[0], _text_tools(tools, position)))
+        messages.extend(_tool_results(_text_tools(tools, position)))
+    return messages
+
+
+def _last_call_messages(
+    data: JSON, call: JSON, prompt: JSON, tools: list[JSON]
+) -> list[JSON]:
+    outputs = call.get("outputs") or []
+    response = _output_text(outputs[0]) if outputs else None
+    transcript = transcript_of(data)
+    if data.get("transcript") is not None and response and transcript.endswith(response):
+        prompt_text: str | None = transcript[: len(transcript) - len(response)]
+    else:
+        prompt_text = _full_prompt_text(call, prompt)
+    messages: list[JSON] = [{"role": "user", "content": prompt_text}]
+    if outputs:
+        own = _text_tools(tools, call.get("index", 0))
+        messages.append(_token_answer(outputs[0], own))
+        messages.extend(_tool_results(own))
+    return messages
+
+
+def _linear(calls: list[JSON], prompts: list[JSON]) -> bool:
+    """Each call's prompt extends the whole of the previous call's prompt and response."""
+    for position in range(1, len(calls)):
+        prompt = calls[position].get("prompt") or {}
+        lengths = prompt.get("prefix_len") or {}
+        if prompt.get("prefix_call") != position - 1 or not lengths:
+            return False
+        previous, full = calls[position - 1], prompts[position - 1]
+        first = (previous.get("outputs") or [{}])[0]
+        whole = {
+            "token_ids": len(full.get("token_ids") or []) + len(first.get("token_ids") or []),
+            "text": len(full.get("text") or "") + len(first.get("text") or ""),
+        }
+        if any(lengths.get(kind) != whole[kind] for kind in ("token_ids", "text") if kind in lengths):
+            return False
+    return True
+
+
+def _full_prompt_text(call: JSON, prompt: JSON) -> str:
+    if call.get("prompt_text") is not None and not (call.get("prompt") or {}).get("prefix_len"):
+        return str(call["prompt_text"])
+    if prompt.get("text") is not None:
+        return str(prompt["text"])
+    count = len(prompt.get("token_ids") or [])
+    return f"[{count} prompt tokens, not decoded: run the proxy with --token2text]"
+
+
+def _added_text(call: JSON) -> str | None:
+    """What this call's prompt added after the previous call's prompt and response."""
+    if call.get("prompt_text") is not None:
+        return str(call["prompt_text"])
+    text = (call.get("prompt") or {}).get("text")
+    return None if text is None else str(text)
+
+
+def _output_text(output: JSON) -> str | None:
+    text = output.get("response_text")
+    if text is None:
+        text = output.get("text")
+    return None if text is None else str(text)
+
+
+def _text_tools(tools: list[JSON], position: int) -> list[JSON]:
+    """Tool calls the model wrote in the response of call `position` (not tool servers)."""
+    return [
+        s for s in tools
+        if s.get("requested_by") == position and s.get("observed") != "http_tool_server"
+    ]  # fmt: skip
+
+
+def _tool_call_id(span: JSON) -> str:
+    return str(span.get("call_id") or f"call-{span.get('index')}")
+
+
+def _token_answer(output: JSON, spans: list[JSON]) -> JSON:
+    message = assistant_message(output, _output_text(output))
+    calls = [
+        {"id": _tool_call_id(s), "type": "function",
+         "function": {"name": s.get("name"), "arguments": s.get("arguments")}}
+        for s in spans if s.get("name") is not None
+    ]  # fmt: skip
+    if calls and not message.get("tool_calls"):
+        message["tool_calls"] = calls
+    return message
+
+
+def _tool_results(spans: list[JSON]) -> list[JSON]:
+    return [
+        {"role": "tool", "tool_call_id": _tool_call_id(s), "content": s["result"]}
+        for s in spans if s.get("result") is not None and s.get("name") is not None
+    ]  # fmt: skip
+
+
+def ensure_visible_first_answer(messages: list[JSON]) -> None:
+    """The trace list previews the first assistant message's content: one that only calls
+    tools (content null) gets its calls written out, `name(arguments)` a line."""
+    first = next((m for m in messages if m.get("role") == "assistant"), None)
+    if first is None or _visible(first.get("content")):
+        return
+    calls = [c.get("function") or {} for c in first.get("tool_calls") or [] if isinstance(c, dict)]
+    if calls:
+        first["content"] = "\n".join(f"{c.get('name')}({c.get('arguments') or ''})" for c in calls)
+    elif first.get("reasoning"):
+        first["content"] = f"(reasoning only) {first['reasoning']}"
+    else:
+        first["content"] = "(empty response)"
+
+
+def _visible(content: Any) -> bool:
+    if isinstance(content, str):
+        return bool(content.strip())
+    if isinstance(content, list):
+        return any(
+            isinstance(p, dict) and isinstance(p.get("text"), str) and p["text"].strip()
+            for p in content
+        )
+    return False
+
+
+# --- spans -------------------------------------------------------------------------------------
+
+
+def iso(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
+
+
+def duration_ms(start: float | None, end: float | None) -> float | None:
+    if start is None or end is None:
+        return None
+    return round((end - start) * 1000.0, 3)
+
+
+def _timed(start: float | None, end: float | None) -> JSON:
+    return {"start_time": iso(start), "end_time": iso(end), "duration_ms": duration_ms(start, end)}
+
+
+def spans_of(data: JSON, calls: list[JSON], tools: list[JSON]) -> list[JSON]:
+    root_id = str(data.get("id"))
+    key = data.get("key") or {}
+    error = next((c["error"] for c in calls if c.get("error")), None)
+    root: JSON = {
+        "id": root_id,
+        "name": ROOT_NAME,
+        "kind": "span",
+        "parent_id": None,
+        **_timed(data.get("start"), data.get("end")),
+        "status": "error" if data.get("status") == "error" else "success",
+        "error": _error_text(error),
+        "input": {k: key.get(k) for k in ("experiment", "step", "sample_index", "rollout_n",
+                                          "validate", "trajectory_id")},  # fmt: skip
+        "output": {k: data.get(k) for k in ("reward", "score", "labels", "close_reason")},
+        "model": None,
+        "usage": _usage_totals(data.get("summary") or {}),
+        "metadata": {
+            "record_id": data.get("id"),
+            "part": data.get("part"),
+            "upstreams": data.get("upstreams"),
+            "key_sources": key.get("sources"),
+            "annotations": data.get("annotations"),
+        },
+    }
+    spans = [root]
+    spans.extend(_generation_span(root_id, call) for call in calls)
+    spans.extend(_tool_span(root_id, span) for span in tools)
+    return spans
+
+
+def _generation_span(root_id: str, call: JSON) -> JSON:
+    dialect = str(call.get("dialect"))
+    model = call.get("model")
+    outputs: list[JSON] = call.get("outputs") or []
+    rendered = [_generation_output(o) for o in outputs]
+    first_byte, start = call.get("first_byte"), call.get("start")
+    return {
+        "id": f"{root_id}/call/{call.get('index')}",
+        "name": f"{OPERATIONS.get(dialect, 'generate')} {model or ''}".strip(),
+        "kind": "generation",
+        "parent_id": root_id,
+        **_timed(start, call.get("end")),
+        "status": "error" if call.get("error") else "success",
+        "error": _error_text(call.get("error")),
+        "input": _generation_input(call),
+        "output": rendered[0] if len(rendered) == 1 else rendered,
+        "model": model,
+        "usage": call.get("usage"),
+        "metadata": {
+            "index": call.get("index"),
+            "dialect": dialect,
+            "route": call.get("route"),
+            "upstream": call.get("upstream"),
+            "request_id": call.get("request_id"),
+            "http_status": call.get("http_status"),
+            "stream": call.get("stream"),
+            "ttft_ms": duration_ms(start, first_byte),
+            "weight_version": call.get("weight_version"),
+            "sampling": call.get("sampling"),
+            "unparsed": call.get("unparsed"),
+            "segments": call.get("segments"),
+        },
+    }
+
+
+def _generation_input(call: JSON) -> JSON:
+    """What this call added to the conversation (the whole of it is the trace's messages)."""
+    prompt = call.get("prompt") or {}
+    shared = {"prefix_call": prompt.get("prefix_call"), "prefix_len": prompt.get("prefix_len")}
+    if prompt.get("messages") is not None:
+        return {"messages": prompt["messages"], **shared}
+    text = call.get("prompt_text")
+    if text is None:
+        text = prompt.get("text")
+    if text is not None:
+        return {"text": text, **shared}
+    return {"token_count": len(prompt.get("token_ids") or []), **shared}
+
+
+def _generation_output(output: JSON) -> JSON:
+    rendered: JSON = {"text": _output_text(output), "finish_reason": output.get("finish_reason")}
+    for name in ("tool_calls", "reasoning", "stop_reason"):
+        if output.get(name) is not None:
+            rendered[name] = output[name]
+    if output.get("token_ids") is not None:
+        rendered["token_count"] = len(output["token_ids"])
+    return rendered
+
+
+def _tool_span(root_id: str, span: JSON) -> JSON:
+    arguments = span.get("arguments")
+    try:
+        parsed: Any = orjson.loads(arguments) if isinstance(arguments, str) else arguments
+    except orjson.JSONDecodeError:
+        parsed = arguments
+    error = span.get("error")
+    status = "error" if error else ("success" if span.get("result") is not None else None)
+    return {
+        "id": f"{root_id}/tool/{span.get('index')}",
+        "name": f"execute_tool {span.get('name') or '?'}",
+        "kind": "tool",
+        "parent_id": root_id,
+        **_timed(span.get("start"), span.get("end")),
+        "status": status,
+        "error": _error_text(error),
+        "input": parsed,
+        "output": span.get("result"),
+        "model": None,
+        "usage": None,
+        "metadata": {
+            "index": span.get("index"),
+            "observed": span.get("observed"),
+            "call_id": _tool_call_id(span),
+            "requested_by": span.get("requested_by"),
+            "raw": span.get("raw"),
+            "route": span.get("route"),
+            "upstream": span.get("upstream"),
+            "http_status": span.get("http_status"),
+        },
+    }
+
+
+def _error_text(error: JSON | None) -> str | None:
+    if not error:
+        return None
+    return f"{error.get('type')}: {error.get('message')}"
+
+
+def _usage_totals(summary: JSON) -> JSON | None:
+    if "prompt_tokens" not in summary and "completion_tokens" not in summary:
+        return None
+    prompt, completion = summary.get("prompt_tokens") or 0, summary.get("completion_tokens") or 0
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}  # fmt: skip
+
+
+# --- metadata ----------------------------------------------------------------------------------
+
+
+def trajectory_metadata(data: JSON) -> JSON:
+    key = data.get("key") or {}
+    summary = data.get("summary") or {}
+    calls = data.get("calls") or []
+    return {
+        "trajectory_id": key.get("trajectory_id"),
+        "experiment_name": key.get("experiment"),
+        "step": key.get("step"),
+        "sample_index": key.get("sample_index"),
+        "rollout_n": key.get("rollout_n"),
+        "validate": key.get("validate"),
+        "sample_hash": key.get("sample_hash"),
+        "reward": data.get("reward"),
+        "score": data.get("score"),
+        "labels": data.get("labels"),
+        "status": "error" if data.get("status") == "error" else "success",
+        "close_reason": data.get("close_reason"),
+        "weight_versions": data.get("weight_versions"),
+        "model": next((c.get("model") for c in reversed(calls) if c.get("model")), None),
+        "num_turns": summary.get("calls", len(calls)),
+        "num_tool_calls": summary.get("tool_calls"),
+        "num_errors": summary.get("errors"),
+        "prompt_tokens": summary.get("prompt_tokens"),
+        "completion_tokens": summary.get("completion_tokens"),
+        "duration_ms": duration_ms(data.get("start"), data.get("end")),
+        "record_id": data.get("id"),
+        "part": data.get("part"),
+    }
+
+
+def annotation_metadata(data: JSON) -> JSON:
+    target = data.get("target") or {}
+    return {
+        "record": "annotation",
+        "trajectory_id": target.get("trajectory_id"),
+        "target": target,
+        "applies_to": data.get("trajectories"),
+        "experiment_name": data.get("experiment"),
+        "step": data.get("step"),
+        "validate": data.get("validate"),
+        "reward": data.get("reward"),
+        "score": data.get("score"),
+        "labels": data.get("labels"),
+        "time": iso(data.get("time")),
+    }
+
+
+def _record_id(record: Record) -> str:
+    return str(getattr(record, "id", None) or getattr(record, "target", "?"))
+
+
+def _unused(_: Iterable[Any]) -> None:  # pragma: no cover
+    pass
