@@ -16,7 +16,13 @@ def _jsonl(settings: Settings) -> Exporter:
     return JsonlExporter(settings.output)
 
 
-BACKENDS: dict[str, ExporterFactory] = {"jsonl": _jsonl}
+def _trackio(settings: Settings) -> Exporter:
+    from trace_proxy.exporters.trackio import create
+
+    return create(settings)
+
+
+BACKENDS: dict[str, ExporterFactory] = {"jsonl": _jsonl, "trackio": _trackio}
 
 
 def known_backends() -> list[str]:

@@ -40,7 +40,6 @@ import contextvars
 import logging
 import os
 import sys
-from collections.abc import Iterable
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
-from trace_proxy.trajectories.record import Annotation, Record, Trajectory, dumps
+from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
 
 if TYPE_CHECKING:
     from trace_proxy.config import Settings
@@ -139,8 +138,8 @@ class TrackioExporter:
                 auto_log_gpu=False,
             )
             self._runs[(project, experiment)] = run
-            log.info("trackio: logging %s to run %r of project %r in %s "
-                     "(trackio show --project %s)", TRACE_KEY, experiment, project,
+            log.info("trackio: traces go to run %r of project %r; view them with: "
+                     "TRACKIO_DIR=%s trackio show --project %s", experiment, project,
                      self.directory, project)  # fmt: skip
         return run
 
@@ -166,7 +165,7 @@ def _import_trackio(directory: Path | None) -> Any:
         import trackio
         import trackio.utils
     except ImportError as exc:
-        raise RuntimeError(
+        raise ImportError(
             "the trackio backend needs trackio: pip install 'trace-proxy[trackio]'"
         ) from exc
     current = Path(trackio.utils.TRACKIO_DIR).expanduser().absolute()
@@ -236,13 +235,11 @@ def token_messages(
     return messages
 
 
-def _last_call_messages(
-    data: JSON, call: JSON, prompt: JSON, tools: list[JSON]
-) -> list[JSON]:
+def _last_call_messages(data: JSON, call: JSON, prompt: JSON, tools: list[JSON]) -> list[JSON]:
     outputs = call.get("outputs") or []
     response = _output_text(outputs[0]) if outputs else None
-    transcript = transcript_of(data)
-    if data.get("transcript") is not None and response and transcript.endswith(response):
+    transcript = transcript_of(data) if data.get("transcript") is not None else None
+    if transcript is not None and response and transcript.endswith(response):
         prompt_text: str | None = transcript[: len(transcript) - len(response)]
     else:
         prompt_text = _full_prompt_text(call, prompt)
@@ -267,7 +264,9 @@ def _linear(calls: list[JSON], prompts: list[JSON]) -> bool:
             "token_ids": len(full.get("token_ids") or []) + len(first.get("token_ids") or []),
             "text": len(full.get("text") or "") + len(first.get("text") or ""),
         }
-        if any(lengths.get(kind) != whole[kind] for kind in ("token_ids", "text") if kind in lengths):
+        if any(
+            lengths.get(kind) != whole[kind] for kind in ("token_ids", "text") if kind in lengths
+        ):
             return False
     return True
 
@@ -384,8 +383,7 @@ def spans_of(data: JSON, calls: list[JSON], tools: list[JSON]) -> list[JSON]:
         **_timed(data.get("start"), data.get("end")),
         "status": "error" if data.get("status") == "error" else "success",
         "error": _error_text(error),
-        "input": {k: key.get(k) for k in ("experiment", "step", "sample_index", "rollout_n",
-                                          "validate", "trajectory_id")},  # fmt: skip
+        "input": {k: key.get(k) for k in KEY_FIELDS},
         "output": {k: data.get(k) for k in ("reward", "score", "labels", "close_reason")},
         "model": None,
         "usage": _usage_totals(data.get("summary") or {}),
@@ -418,7 +416,7 @@ def _generation_span(root_id: str, call: JSON) -> JSON:
         "status": "error" if call.get("error") else "success",
         "error": _error_text(call.get("error")),
         "input": _generation_input(call),
-        "output": rendered[0] if len(rendered) == 1 else rendered,
+        "output": rendered[0] if len(rendered) == 1 else (rendered or None),
         "model": model,
         "usage": call.get("usage"),
         "metadata": {
@@ -561,7 +559,3 @@ def annotation_metadata(data: JSON) -> JSON:
 
 def _record_id(record: Record) -> str:
     return str(getattr(record, "id", None) or getattr(record, "target", "?"))
-
-
-def _unused(_: Iterable[Any]) -> None:  # pragma: no cover
-    pass

@@ -1,0 +1,463 @@
+"""The trackio backend: real rollouts through a real proxy, read back from trackio's own store.
+
+trackio reads TRACKIO_DIR once, when imported, so the session shares one directory and each
+test logs to a project of its own. Stopping the proxy closes the exporter, which finishes the
+runs: everything is written when `running` returns, nothing to wait for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from fakes import FakeVLLM
+from groundtruth.clients import Sampling, read_vllm_generate, vllm_generate_body
+from groundtruth.tooling import TOOLS, execute, parse_tool_calls, tool_results_suffix
+from proxy_helpers import trajectories
+
+from trace_proxy.client import post_reward
+from trace_proxy.config import Settings
+from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.trackio import ANNOTATION_KEY, TRACE_KEY, TrackioExporter, create
+from trace_proxy.proxy.service import ProxyService
+
+# Not importorskip: importing trackio here would fix its directory before the fixture sets it.
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("trackio") is None, reason="the trackio extra is not installed"
+)
+
+IM_END_ID = 151645
+
+
+@pytest.fixture(scope="session")
+def trackio_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("trackio")
+
+
+@pytest.fixture
+def project() -> str:
+    return f"tp-{uuid.uuid4().hex[:12]}"
+
+
+@contextlib.asynccontextmanager
+async def running(
+    upstream: str, output: Path, project: str, trackio_dir: Path, **overrides: Any
+) -> AsyncIterator[tuple[ProxyService, str]]:
+    """A proxy exporting to jsonl (the record, to compare with) and to trackio."""
+    settings = dataclasses.replace(
+        Settings(), upstream=[upstream], port=0, admin_port=0, output=output, project=project,
+        backend=["jsonl", "trackio"], trackio_dir=trackio_dir, **overrides,
+    )  # fmt: skip
+    service = ProxyService(settings, [JsonlExporter(output), create(settings)])
+    addresses = await service.start()
+    try:
+        yield service, addresses.proxy
+    finally:
+        await service.stop()
+
+
+def traces(project: str, run: str, **query: Any) -> list[dict[str, Any]]:
+    from trackio.sqlite_storage import SQLiteStorage
+
+    found: list[dict[str, Any]] = SQLiteStorage.get_traces(project, run=run, **query)
+    return found
+
+
+def check_times(span: dict[str, Any], start: float, end: float | None) -> None:
+    assert datetime.fromisoformat(span["start_time"]).timestamp() == pytest.approx(start, abs=1e-6)
+    if end is None:
+        assert span["end_time"] is None and span["duration_ms"] is None
+        return
+    assert datetime.fromisoformat(span["end_time"]).timestamp() == pytest.approx(end, abs=1e-6)
+    assert span["duration_ms"] == pytest.approx((end - start) * 1000, abs=1e-3)
+    assert span["duration_ms"] >= 0
+
+
+def check_spans(trace: dict[str, Any], record: dict[str, Any]) -> None:
+    """A root for the trajectory; a generation per call and a tool span per tool call under it."""
+    spans = trace["spans"]
+    calls, tools = record["calls"], record["tools"]
+    assert [s["kind"] for s in spans] == ["span"] + ["generation"] * len(calls) + ["tool"] * len(
+        tools
+    )
+    root, generations, tool_spans = spans[0], spans[1 : 1 + len(calls)], spans[1 + len(calls) :]
+    assert root["name"] == "agent_loop" and root["parent_id"] is None
+    check_times(root, record["start"], record["end"])
+    assert len({s["id"] for s in spans}) == len(spans)
+    assert all(s["parent_id"] == root["id"] for s in spans[1:])
+    for span, call in zip(generations, calls, strict=True):
+        check_times(span, call["start"], call["end"])
+        assert span["model"] == call["model"] == "tiny-qwen"
+        assert span["usage"] == call["usage"] and span["usage"]["completion_tokens"] > 0
+        assert span["status"] == "success" and span["error"] is None
+        assert span["metadata"]["request_id"] == call["request_id"]
+        output = call["outputs"][0]
+        assert span["output"]["text"] == (output.get("response_text") or output["text"])
+        assert span["output"]["finish_reason"] == output["finish_reason"]
+    for span, tool in zip(tool_spans, tools, strict=True):
+        check_times(span, tool["start"], tool["end"])
+        assert span["name"] == f"execute_tool {tool['name']}"
+        assert span["input"] == json.loads(tool["arguments"])
+        assert span["output"] == tool["result"]
+        assert span["metadata"]["observed"] == tool["observed"]
+        failed = tool["error"] is not None
+        assert span["status"] == ("error" if failed else "success" if tool["result"] else None)
+
+
+def check_metadata(trace: dict[str, Any], record: dict[str, Any]) -> None:
+    key, summary, meta = record["key"], record["summary"], trace["metadata"]
+    for field in ("step", "sample_index", "rollout_n", "validate", "trajectory_id"):
+        assert meta[field] == key[field], field
+    assert meta["experiment_name"] == key["experiment"]
+    for field in ("reward", "score", "labels", "close_reason", "weight_versions"):
+        assert meta[field] == record[field], field
+    assert meta["prompt_tokens"] == summary["prompt_tokens"] > 0
+    assert meta["completion_tokens"] == summary["completion_tokens"] > 0
+    assert meta["num_turns"] == len(record["calls"])
+    assert meta["num_tool_calls"] == summary["tool_calls"] == len(record["tools"])
+    assert meta["record_id"] == record["id"]
+
+
+async def test_chat_tool_rollout_is_one_trace_with_the_whole_conversation(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path, project: str, trackio_dir: Path
+) -> None:
+    _, upstream = fake_vllm
+    headers = {"X-Rollout-Experiment": "exp-chat", "X-Rollout-Step": "3",
+               "X-Rollout-Sample-Index": "5", "X-Rollout-N": "1",
+               "X-Rollout-Trajectory-Id": "chat-1"}  # fmt: skip
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a careful assistant."},
+        {"role": "user", "content": "What is the weather in Paris and in Oslo right now?"},
+    ]
+    replies = []
+    async with running(upstream, tmp_path / "out", project, trackio_dir) as (service, proxy):
+        async with aiohttp.ClientSession(headers=headers) as session:
+            for _ in range(6):
+                body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS}
+                async with session.post(proxy + "/v1/chat/completions", json=body) as response:
+                    assert response.status == 200
+                    reply = (await response.json())["choices"][0]["message"]
+                replies.append(reply)
+                if not reply.get("tool_calls"):
+                    break
+                messages.append(reply)
+                messages += [
+                    {"role": "tool", "tool_call_id": c["id"],
+                     "content": execute(c["function"]["name"], c["function"]["arguments"])}
+                    for c in reply["tool_calls"]
+                ]  # fmt: skip
+        await service.capture.drain()
+        assert service.addresses is not None and service.addresses.admin is not None
+        where = await asyncio.to_thread(
+            post_reward, service.addresses.admin, reward=1.0, trajectory_id="chat-1",
+            labels={"correct": True},
+        )  # fmt: skip
+        assert where == "open"
+    assert len(replies) >= 2 and replies[0]["tool_calls"] and not replies[-1].get("tool_calls")
+    [record] = trajectories(tmp_path / "out")
+    [trace] = traces(project, "exp-chat")
+    assert trace["key"] == TRACE_KEY and trace["step"] == 3
+
+    # The conversation: everything the client sent, then the final answer.
+    got = trace["messages"]
+    assert [m["role"] for m in got] == [m["role"] for m in messages] + ["assistant"]
+    assert got[-1]["content"] == replies[-1]["content"]
+    sent_calls = [c for m in messages if m["role"] == "assistant" for c in m["tool_calls"]]
+    got_calls = [c for m in got if m["role"] == "assistant" for c in m.get("tool_calls") or []]
+    assert got_calls == sent_calls  # ids, names, arguments exactly as the server wrote them
+    assert [m["tool_call_id"] for m in got if m["role"] == "tool"] == [c["id"] for c in sent_calls]
+    assert [m["content"] for m in got if m["role"] == "tool"] == [
+        m["content"] for m in messages if m["role"] == "tool"
+    ]
+    # The list previews the first assistant message: a tool-call-only turn shows its calls.
+    first = next(m for m in got if m["role"] == "assistant")
+    assert replies[0]["content"] in (None, "")
+    name, arguments = (replies[0]["tool_calls"][0]["function"][k] for k in ("name", "arguments"))
+    assert f"{name}({arguments})" in first["content"]
+    assert got[:2] == messages[:2]
+
+    check_spans(trace, record)
+    assert {s["observed"] for s in record["tools"]} == {"chat_tool_calls"}
+    check_metadata(trace, record)
+    assert trace["metadata"]["reward"] == 1.0 and trace["metadata"]["labels"] == {"correct": True}
+    assert trace["metadata"]["close_reason"] == "shutdown"
+    assert trace["metadata"]["status"] == "success"
+
+    # What `trackio show` reads (its server's functions) and `trackio list traces` prints.
+    from trackio import server
+
+    assert server.get_trace_steps(project, "exp-chat") == {
+        "total": 1, "steps": [{"step": 3, "count": 1}]
+    }  # fmt: skip
+    [shown] = server.get_traces(project, run="exp-chat", step=3)
+    assert shown["messages"] == got and shown["spans"] == trace["spans"]
+    listed = subprocess.run(
+        [sys.executable, "-m", "trackio.cli", "list", "traces", "--project", project,
+         "--run", "exp-chat", "--json"],
+        capture_output=True, text=True, check=True, timeout=120,
+        env={**os.environ, "TRACKIO_DIR": str(trackio_dir)},
+    )  # fmt: skip
+    [cli_trace] = json.loads(listed.stdout)["traces"]
+    assert cli_trace["step"] == 3 and cli_trace["metadata"]["trajectory_id"] == "chat-1"
+    assert cli_trace["messages"] == got
+
+
+async def token_rollout(
+    session: aiohttp.ClientSession, proxy: str, tokenizer: Any, question: str, seed: int
+) -> list[list[str]]:
+    """A verl-style token agent loop over `/inference/v1/generate`; returns the tool results
+    it sent back, per turn."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tools=TOOLS, tokenize=False,
+        add_generation_prompt=True,
+    )  # fmt: skip
+    ids = list(tokenizer.encode(text, add_special_tokens=False))
+    sent: list[list[str]] = []
+    for _ in range(6):
+        body = vllm_generate_body(ids, Sampling(512, 1.0, seed), False, None)
+        async with session.post(proxy + "/inference/v1/generate", json=body) as response:
+            assert response.status == 200
+            reply = read_vllm_generate(await response.read(), False)
+        output = reply.token_ids or []
+        requests = parse_tool_calls(tokenizer.decode(output, skip_special_tokens=False))
+        if not requests or reply.finish_reason != "stop":
+            break
+        results = [execute(r.name, r.arguments) for r in requests]
+        sent.append(results)
+        ended = bool(output) and output[-1] == IM_END_ID
+        suffix = tool_results_suffix(results, ended)
+        ids = [*ids, *output, *tokenizer.encode(suffix, add_special_tokens=False)]
+    return sent
+
+
+async def test_token_rollouts_become_decoded_conversations_at_their_steps(
+    qwen_tokenizer: Any,
+    fake_vllm: tuple[FakeVLLM, str],
+    tmp_path: Path,
+    project: str,
+    trackio_dir: Path,
+) -> None:
+    _, upstream = fake_vllm
+    settings = {"token2text": True, "tokenizer": [str(ensure_qwen_tokenizer())]}
+    keys = [(1, 0, False), (2, 0, False), (2, 1, False), (2, 0, True)]
+    sent = {}
+    async with running(upstream, tmp_path / "out", project, trackio_dir, **settings) as (_, proxy):
+        async with aiohttp.ClientSession() as session:
+            for step, sample, validate in keys:
+                session.headers.update({
+                    "X-Rollout-Experiment": "exp-tokens", "X-Rollout-Step": str(step),
+                    "X-Rollout-Sample-Index": str(sample), "X-Rollout-N": "0",
+                    "X-Rollout-Validate": str(validate).lower(),
+                })  # fmt: skip
+                question = f"Search the docs for topic {sample} and check the weather in Oslo."
+                sent[(step, sample, validate)] = await token_rollout(
+                    session, proxy, qwen_tokenizer, question, seed=step * 10 + sample
+                )
+    records = {
+        (r["key"]["step"], r["key"]["sample_index"], r["key"]["validate"]): r
+        for r in trajectories(tmp_path / "out")
+    }
+    assert set(records) == set(keys)
+    assert [len(traces(project, "exp-tokens", step=s)) for s in (0, 1, 2)] == [0, 1, 3]
+    for trace in traces(project, "exp-tokens"):
+        meta = trace["metadata"]
+        record = records[(meta["step"], meta["sample_index"], meta["validate"])]
+        assert trace["step"] == record["key"]["step"] and trace["key"] == TRACE_KEY
+        calls, tools = record["calls"], record["tools"]
+        assert len(calls) >= 2 and tools and all(s["observed"] == "parsed_from_text" for s in tools)
+        results = [
+            [s["result"] for s in tools if s["requested_by"] == n] for n in range(len(calls))
+        ]
+        assert results[:-1] == sent[(meta["step"], meta["sample_index"], meta["validate"])]
+
+        # user (the decoded first prompt), then per turn: the answer, its tool results.
+        got = trace["messages"]
+        assert got[0] == {"role": "user", "content": calls[0]["prompt_text"]}
+        assert got[0]["content"].startswith("<|im_start|>system\n")
+        answers = [m for m in got if m["role"] == "assistant"]
+        assert [m["content"] for m in answers] == [c["outputs"][0]["response_text"] for c in calls]
+        assert "<tool_call>" in answers[0]["content"]  # the first answer is visible as it is
+        expected_roles = ["user"]
+        for i in range(len(calls)):
+            expected_roles += ["assistant"] + ["tool"] * sum(
+                1 for s in tools if s["requested_by"] == i and s["result"] is not None
+            )
+        assert [m["role"] for m in got] == expected_roles
+        position = 1
+        for i, answer in enumerate(answers):
+            own = [s for s in tools if s["requested_by"] == i]
+            asked = answer.get("tool_calls") or []
+            assert [(c["function"]["name"], c["function"]["arguments"]) for c in asked] == [
+                (s["name"], s["arguments"]) for s in own
+            ]
+            position = got.index(answer, position) + 1
+            answered = [s for s in own if s["result"] is not None]
+            results = got[position : position + len(answered)]
+            assert [r["content"] for r in results] == [s["result"] for s in answered]
+            assert [r["tool_call_id"] for r in results] == [c["id"] for c in asked][: len(results)]
+
+        check_spans(trace, record)
+        check_metadata(trace, record)
+        generations = [s for s in trace["spans"] if s["kind"] == "generation"]
+        # Each generation's input is what its call added: the first prompt, then tool turns.
+        assert generations[0]["input"]["text"] == calls[0]["prompt_text"]
+        assert generations[1]["input"]["text"] == calls[1]["prompt_text"]
+        assert "<tool_response>" in calls[1]["prompt_text"]
+        assert generations[1]["input"]["prefix_call"] == 0
+
+
+async def test_a_trajectory_without_a_step_and_late_rewards(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path, project: str, trackio_dir: Path
+) -> None:
+    _, upstream = fake_vllm
+
+    async def complete(proxy: str, headers: dict[str, str]) -> None:
+        body = {"model": "tiny-qwen", "prompt": "Tell me about Oslo.", "max_tokens": 8}
+        async with aiohttp.ClientSession(headers=headers) as session:
+            async with session.post(proxy + "/v1/completions", json=body) as response:
+                assert response.status == 200
+
+    def key(step: int) -> dict[str, str]:
+        return {"X-Rollout-Experiment": "exp", "X-Rollout-Step": str(step),
+                "X-Rollout-Sample-Index": "0", "X-Rollout-N": "0",
+                "X-Rollout-Trajectory-Id": f"t-{step}"}  # fmt: skip
+
+    out = tmp_path / "out"
+    async with running(upstream, out, project, trackio_dir, step_close_grace=0) as (service, proxy):
+        assert service.addresses is not None and service.addresses.admin is not None
+        admin = service.addresses.admin
+        await complete(proxy, {"X-Rollout-Trajectory-Id": "no-step"})  # a trajectory, no step
+        await complete(proxy, key(1))
+        await complete(proxy, key(2))  # step 2 starts: step 1 is closed and exported
+        await service.capture.drain()
+        assert await asyncio.to_thread(post_reward, admin, score=0.25, trajectory_id="t-1") == (
+            "exported"
+        )
+        where = await asyncio.to_thread(
+            post_reward, admin, reward=-1.0, experiment="exp", step=9, sample_index=4
+        )
+        assert where == "unknown"
+
+    by_id = {r["key"]["trajectory_id"]: r for r in trajectories(out)}
+    [stepless] = traces(project, "default")
+    assert by_id["no-step"]["key"]["step"] is None
+    assert stepless["step"] == 0 and stepless["metadata"]["step"] is None
+    assert stepless["metadata"]["trajectory_id"] == "no-step"
+    # A text prompt without token2text: the prompt and the server's text.
+    assert stepless["messages"] == [
+        {"role": "user", "content": "Tell me about Oslo."},
+        {"role": "assistant", "content": by_id["no-step"]["calls"][0]["outputs"][0]["text"]},
+    ]
+    assert stepless["messages"][1]["content"]
+    check_spans(stepless, by_id["no-step"])
+
+    # Logged in one batch, rows share a timestamp: order them here.
+    logged = sorted(traces(project, "exp"), key=lambda t: (t["step"], t["key"] != TRACE_KEY))
+    assert [(t["key"], t["step"]) for t in logged] == [
+        (TRACE_KEY, 1), (ANNOTATION_KEY, 1), (TRACE_KEY, 2), (ANNOTATION_KEY, 9)
+    ]  # fmt: skip
+    late, never_seen = (t for t in logged if t["key"] == ANNOTATION_KEY)
+    assert late["messages"] == [] and late["metadata"]["score"] == 0.25
+    assert late["metadata"]["trajectory_id"] == "t-1"
+    assert late["metadata"]["applies_to"] == [by_id["t-1"]["id"]]
+    assert never_seen["metadata"]["reward"] == -1.0 and never_seen["metadata"]["applies_to"] == []
+    assert logged[0]["metadata"]["score"] is None  # exported before the score arrived
+
+
+def test_one_trackio_directory_per_process(trackio_dir: Path, tmp_path: Path) -> None:
+    TrackioExporter("p", trackio_dir).close()
+    with pytest.raises(RuntimeError, match="reads TRACKIO_DIR"):
+        TrackioExporter("p", tmp_path / "elsewhere")
+
+
+def test_a_re_rendered_token_conversation_and_a_failed_call(
+    qwen_tokenizer: Any, trackio_dir: Path, project: str
+) -> None:
+    """When the client re-renders earlier turns, the pieces do not line up: the conversation is
+    the last call's whole decoded prompt and its answer; the spans still show every call."""
+    from trace_proxy.trajectories.record import (
+        CallError,
+        GenerateCall,
+        Output,
+        Prompt,
+        RolloutKey,
+        Trajectory,
+    )
+    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
+    from trace_proxy.trajectories.toolparsers import get_parser
+
+    encode = qwen_tokenizer.encode
+    prompt = encode("<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n")
+    said = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    rerendered = said.replace('{"city": "Oslo"}', '{"city":"Oslo"}') + "<|im_end|>"
+    results = (
+        "\n<|im_start|>user\n<tool_response>\n18C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    calls = [
+        GenerateCall(
+            index=0, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
+            start=10.0, end=11.0, model="tiny-qwen", prompt=Prompt(token_ids=prompt),
+            outputs=[Output(index=0, token_ids=encode(said + "<|im_end|>"))],
+        ),
+        GenerateCall(
+            index=1, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
+            start=12.0, end=12.5, model="tiny-qwen",
+            prompt=Prompt(token_ids=prompt + encode(rerendered + results)),
+            outputs=[Output(index=0, token_ids=encode("Oslo: 18C.<|im_end|>"))],
+        ),
+        GenerateCall(
+            index=2, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
+            start=13.0, end=13.25, http_status=502, prompt=Prompt(token_ids=prompt),
+            error=CallError("transport", "upstream unreachable"),
+        ),
+    ]  # fmt: skip
+    trajectory = Trajectory(
+        id="rerendered", key=RolloutKey(project=project, experiment="e", step=4), start=10.0,
+        end=12.5, status="ok", close_reason="done", calls=calls[:2],
+    )  # fmt: skip
+    tokenizers = Tokenizers()
+    tokenizers.add(None, decoder_for(qwen_tokenizer, skip_special_tokens=False))
+    Token2Text(tokenizers, get_parser("hermes")).process([trajectory])
+    assert trajectory.transcript is not None  # stored whole: the pieces do not spell it out
+    failed = Trajectory(
+        id="failed", key=RolloutKey(project=project, experiment="e", step=4), start=13.0,
+        end=13.25, status="error", close_reason="done", calls=[calls[2]],
+    )  # fmt: skip
+
+    exporter = TrackioExporter(project, trackio_dir)
+    exporter.export([trajectory, failed])
+    exporter.close()
+
+    by_id = {t["metadata"]["record_id"]: t for t in traces(project, "e", step=4)}
+    messages = by_id["rerendered"]["messages"]
+    last = qwen_tokenizer.decode(calls[1].prompt.token_ids)
+    assert messages[0] == {"role": "user", "content": last}
+    assert messages[1] == {"role": "assistant", "content": "Oslo: 18C.<|im_end|>"}
+    assert len(messages) == 2
+    spans = by_id["rerendered"]["spans"]
+    assert [s["kind"] for s in spans] == ["span", "generation", "generation", "tool"]
+    assert spans[3]["input"] == {"city": "Oslo"} and spans[3]["output"] == "18C"
+
+    broken = by_id["failed"]
+    assert broken["metadata"]["status"] == "error"
+    root, call = broken["spans"]
+    assert root["status"] == call["status"] == "error"
+    assert call["error"] == "transport: upstream unreachable"
+    assert call["metadata"]["http_status"] == 502 and call["output"] is None
+    assert broken["messages"][0]["role"] == "user"  # the prompt, not decoded: said so
+    assert "--token2text" in broken["messages"][0]["content"]
