@@ -105,7 +105,11 @@ async def _serve(settings: Settings) -> int:
     from trace_proxy.proxy.service import ProxyService
     from trace_proxy.trajectories.token2text import TokenizerError
 
-    service = ProxyService(settings)
+    try:
+        service = ProxyService(settings)
+    except ConfigError as exc:
+        print(f"trace-proxy: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         addresses = await service.start()
     except TokenizerError as exc:

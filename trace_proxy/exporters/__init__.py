@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trace_proxy.config import Settings
+from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
 
 ExporterFactory = Callable[[Settings], Exporter]
@@ -30,4 +30,16 @@ def known_backends() -> list[str]:
 
 
 def create_exporters(settings: Settings) -> list[Exporter]:
-    return [BACKENDS[name](settings) for name in dict.fromkeys(settings.backend)]
+    """One exporter per named backend; a backend that cannot start is a ConfigError."""
+    exporters = []
+    for name in dict.fromkeys(settings.backend):
+        try:
+            exporters.append(BACKENDS[name](settings))
+        except ImportError as exc:
+            raise ConfigError(
+                f"invalid value for --backend: {name} needs its extra, "
+                f"pip install 'trace-proxy[{name}]' ({exc})"
+            ) from None
+        except (RuntimeError, ValueError, OSError) as exc:
+            raise ConfigError(f"invalid value for --backend: {name} cannot start: {exc}") from None
+    return exporters

@@ -1,0 +1,738 @@
+"""MLflow backend: one trace per trajectory, in the project's experiment, linked to a run.
+
+A trajectory becomes a trace whose root span `agent_loop` (AGENT) has one child per generate
+call (LLM) and per tool call (TOOL), with the record's exact start and end times. The trace
+carries verl's string tags (`step`, `sample_index`, `rollout_n`, `validate`,
+`experiment_name`, so `tags.step = '1'` finds the same traces as verl's own tracing), plus
+`trajectory_id`, `reward`, `score` and `label.<name>` when known, and it is linked to a training
+run: `mlflow.sourceRun` metadata and `link_traces_to_run`. A reward that arrives after its
+trajectory was exported (an annotation) is set as tags on the trace.
+
+Writes are synchronous, from the export worker thread, through MLflow's tracking store with an
+explicit tracking URI and experiment ids (no global MLflow state, no fluent span API, no async
+queue that drops traces when full), so an error reaches the pipeline, which retries. Trace and
+span ids are derived from the record id (the trace id is `tr-<record id>`), so a retried batch
+rewrites the same traces. Per tracking URI:
+- a database (`sqlite:///...`, ...), in process: one `start_trace` per trajectory (tags,
+  metadata, previews), then the spans of the whole batch in one `log_spans` call: 100 traces
+  of 10 spans in ~1.2 s, where MLflow's span-by-span client takes 25-48 s;
+- an `http(s)://` server: the spans only, over OTLP (`POST /v1/traces`, protobuf, header
+  `x-mlflow-experiment-id`, sent by MLflow's own client), the trace tags riding on the root span
+  as `mlflow.traceTag.<k>`; the server creates the trace. The run link is `link_traces_to_run`
+  (there is no `mlflow.sourceRun` metadata on this path);
+- a file store (a path or `file:`; MLflow 3.17 wants `MLFLOW_ALLOW_FILE_STORE=true`): spans as
+  trace artifacts; it cannot link traces to runs, so `mlflow.sourceRun` is the only link.
+
+Step summaries become metrics of the run (`trace_proxy/trajectories_kept`, ...; validation
+steps under `trace_proxy/validate/`). Step events are not exported.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import logging
+import os
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import orjson
+
+from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
+from trace_proxy.trajectories.record import Annotation, Record, StepSummary, Trajectory, dumps
+
+if TYPE_CHECKING:
+    from trace_proxy.config import Settings
+
+# Before MLflow is imported: a proxy never phones home; MLFLOW_DISABLE_TELEMETRY=false overrides.
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+try:
+    from mlflow.entities import (
+        Metric,
+        Span,
+        SpanType,
+        TraceData,
+        TraceInfo,
+        TraceLocation,
+        TraceState,
+    )
+    from mlflow.exceptions import MlflowException, RestException
+    from mlflow.tracing.client import TracingClient
+    from mlflow.tracking import MlflowClient
+except ImportError as exc:  # pragma: no cover - depends on the installed extras
+    raise ImportError("the mlflow backend needs MLflow: pip install 'trace-proxy[mlflow]'") from exc
+
+log = logging.getLogger(__name__)
+
+ROOT_SPAN = "agent_loop"
+LINKS_PER_CALL = 100  # MLflow's limit for link_traces_to_run
+SPANS_PER_CALL = 500  # spans per log_spans request
+PREVIEW_CHARS = 1000  # MLflow's own request/response preview length
+_HEX32 = re.compile(r"[0-9a-f]{32}")
+_NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
+
+
+def _ns(seconds: float) -> int:
+    """Record times are epoch seconds with microsecond resolution: the same instant in ns."""
+    return round(seconds * 1_000_000) * 1_000
+
+
+def trace_id_of(record_id: str) -> str:
+    """The MLflow trace id of a trajectory record: `tr-<record id>` (hashed if not 32 hex)."""
+    if _HEX32.fullmatch(record_id) is None:
+        record_id = hashlib.blake2b(record_id.encode(), digest_size=16).hexdigest()
+    return "tr-" + record_id
+
+
+def _span_id(trace_id: str, part: str) -> bytes:
+    digest = hashlib.blake2b(f"{trace_id}/{part}".encode(), digest_size=8).digest()
+    return digest if any(digest) else b"\x00" * 7 + b"\x01"  # an all-zero id is invalid
+
+
+def _b64(raw: bytes) -> str:
+    return base64.b64encode(raw).decode("ascii")
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+
+
+def _compact(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _preview(value: Any) -> str | None:
+    if value is None:
+        return None
+    text = value if isinstance(value, str) else _json(value)
+    return text if len(text) <= PREVIEW_CHARS else text[: PREVIEW_CHARS - 3] + "..."
+
+
+@dataclass
+class _SpanData:
+    name: str
+    span_type: str
+    part: str  # what the span id is derived from
+    root: bool  # else a child of the root
+    start: float
+    end: float | None
+    inputs: Any
+    outputs: Any
+    attributes: dict[str, Any]
+    error: dict[str, Any] | None = None  # the record's error, as an attribute
+
+    @property
+    def status_message(self) -> str | None:
+        """None: status OK; else status ERROR with this description."""
+        if self.error is None:
+            return None
+        if self.root:
+            return str(self.error.get("message"))
+        return f"{self.error.get('type')}: {self.error.get('message')}"
+
+
+@dataclass
+class TraceRecord:
+    """A trajectory rendered for MLflow: the trace info fields and the spans."""
+
+    trace_id: str
+    info_tags: dict[str, str]
+    metadata: dict[str, str]
+    request_preview: str | None
+    response_preview: str | None
+    start_ns: int
+    end_ns: int
+    error: bool
+    spans: list[_SpanData]
+    record_id: str
+
+
+# --- rendering a trajectory (pure functions of its JSON form) ---------------------------------
+
+
+def _full_prompt_texts(calls: list[dict[str, Any]], full: list[dict[str, Any]]) -> list[str | None]:
+    """Each call's whole prompt decoded, when its stored piece extends a known whole context.
+
+    `prompt_text` decodes the token ids as stored: for a call sharing a prefix with an earlier
+    one, only the new suffix. The whole text is that call's whole prompt text, plus its first
+    response when shared, plus the piece; None when the sharing stops at another token.
+    """
+    texts: list[str | None] = []
+    for call in calls:
+        piece = call.get("prompt_text")
+        stored = call.get("prompt") or {}
+        ref = stored.get("prefix_call")
+        shared = (stored.get("prefix_len") or {}).get("token_ids")
+        if piece is None or ref is None or shared is None:
+            texts.append(piece)
+            continue
+        base_text = texts[ref] if 0 <= ref < len(texts) else None
+        base_ids = full[ref].get("token_ids") or [] if 0 <= ref < len(full) else []
+        first = (calls[ref].get("outputs") or [{}])[0] if 0 <= ref < len(calls) else {}
+        if base_text is not None and shared == len(base_ids):
+            texts.append(base_text + piece)
+        elif (
+            base_text is not None
+            and first.get("response_text") is not None
+            and shared == len(base_ids) + len(first.get("token_ids") or [])
+        ):
+            texts.append(base_text + first["response_text"] + piece)
+        else:
+            texts.append(None)
+    return texts
+
+
+def _llm_inputs(call: dict[str, Any], prompt: dict[str, Any], text: str | None) -> dict[str, Any]:
+    inputs = _compact(
+        {
+            "messages": prompt.get("messages"),
+            "tools": prompt.get("tools"),
+            "prompt": prompt.get("text"),
+            "prompt_ids": prompt.get("token_ids"),
+            "prompt_text": text,
+        }
+    )
+    if text is None and call.get("prompt_text") is not None:
+        # The whole prompt could not be decoded from the pieces: the decoded new part only.
+        inputs["prompt_suffix_text"] = call["prompt_text"]
+    inputs["sampling_params"] = call.get("sampling") or {}
+    return inputs
+
+
+def _llm_outputs(call: dict[str, Any]) -> dict[str, Any]:
+    chat = call.get("dialect") == "openai.chat"
+    choices = []
+    for out in call.get("outputs") or []:
+        choice: dict[str, Any] = {"index": out.get("index")}
+        if chat:
+            choice["message"] = {
+                "role": "assistant",
+                "content": out.get("text"),
+                **_compact(
+                    {
+                        "tool_calls": out.get("tool_calls"),
+                        "reasoning_content": out.get("reasoning"),
+                    }
+                ),
+            }
+        else:
+            choice["text"] = out.get("text")
+        choice.update(
+            _compact(
+                {
+                    "token_ids": out.get("token_ids"),
+                    "response_text": out.get("response_text"),
+                    "finish_reason": out.get("finish_reason"),
+                    "stop_reason": out.get("stop_reason"),
+                }
+            )
+        )
+        choices.append(choice)
+    return _compact(
+        {
+            "id": call.get("request_id"),
+            "model": call.get("model"),
+            "choices": choices,
+            "usage": call.get("usage"),
+            "error": call.get("error"),
+            "unparsed": call.get("unparsed"),
+        }
+    )
+
+
+def _token_usage(usage: Any) -> dict[str, int] | None:
+    if not isinstance(usage, dict):
+        return None
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not isinstance(prompt, int) or not isinstance(completion, int):
+        return None
+    total = usage.get("total_tokens")
+    return {
+        "input_tokens": prompt,
+        "output_tokens": completion,
+        "total_tokens": total if isinstance(total, int) else prompt + completion,
+    }
+
+
+def _tool_inputs(arguments: str | None) -> Any:
+    if arguments is None:
+        return None
+    try:
+        parsed = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return {"arguments": arguments}
+    return parsed if isinstance(parsed, dict) else {"arguments": arguments}
+
+
+def _last_user_text(messages: Any) -> Any:
+    for message in reversed(messages or []):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return message.get("content")
+    return messages
+
+
+def _root_error(calls: list[dict[str, Any]]) -> dict[str, Any]:
+    failed = [c for c in calls if c.get("error")]
+    if not failed:
+        return {"type": "error", "message": "trajectory status is error"}
+    first, error = failed[0], failed[0]["error"]
+    return {
+        "type": "calls_failed",
+        "message": f"{len(failed)} of {len(calls)} calls failed; call {first.get('index')}: "
+        f"{error.get('type')}: {error.get('message')}",
+    }
+
+
+def _tag_value(value: Any) -> str:
+    return value if isinstance(value, str) else _json(value)
+
+
+def outcome_tags(reward: Any, score: Any, labels: Any) -> dict[str, str]:
+    """Trace tags for a trajectory's reward, score and labels (`label.<name>`)."""
+    tags = {}
+    if reward is not None:
+        tags["reward"] = _tag_value(reward)
+    if score is not None:
+        tags["score"] = _tag_value(score)
+    for name, value in (labels or {}).items():
+        tags[f"label.{name}"] = _tag_value(value)
+    return tags
+
+
+def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
+    """The trace of one trajectory (pure: no MLflow calls)."""
+    data: dict[str, Any] = orjson.loads(dumps(trajectory))
+    key = data["key"]
+    trace_id = trace_id_of(data["id"])
+    calls: list[dict[str, Any]] = data.get("calls") or []
+    prompts = expand_prompts(data)
+    texts = _full_prompt_texts(calls, prompts)
+
+    spans: list[_SpanData] = []
+    for call, prompt, text in zip(calls, prompts, texts, strict=True):
+        attributes = _compact(
+            {
+                "mlflow.llm.model": call.get("model"),
+                "mlflow.chat.tokenUsage": _token_usage(call.get("usage")),
+                "mlflow.chat.tools": prompt.get("tools"),
+                "index": call.get("index"),
+                "dialect": call.get("dialect"),
+                "route": call.get("route"),
+                "upstream": call.get("upstream"),
+                "http_status": call.get("http_status"),
+                "stream": call.get("stream"),
+                "request_id": call.get("request_id"),
+                "first_byte_ns": _ns(call["first_byte"]) if call.get("first_byte") else None,
+                "weight_version": call.get("weight_version"),
+                "segments": call.get("segments"),
+            }
+        )
+        spans.append(_SpanData(
+            name="generate", span_type=SpanType.LLM, part=f"call/{call.get('index')}",
+            root=False, start=call["start"], end=call.get("end"),
+            inputs=_llm_inputs(call, prompt, text), outputs=_llm_outputs(call),
+            attributes=attributes, error=call.get("error"),
+        ))  # fmt: skip
+    for tool in data.get("tools") or []:
+        attributes = _compact(
+            {
+                "index": tool.get("index"),
+                "observed": tool.get("observed"),
+                "call_id": tool.get("call_id"),
+                "requested_by": tool.get("requested_by"),
+                "raw": tool.get("raw"),
+                "route": tool.get("route"),
+                "upstream": tool.get("upstream"),
+                "http_status": tool.get("http_status"),
+            }
+        )
+        # A call never answered ends when the trajectory does (its result is unknown).
+        spans.append(_SpanData(
+            name=tool.get("name") or "tool", span_type=SpanType.TOOL,
+            part=f"tool/{tool.get('index')}", root=False, start=tool["start"],
+            end=tool.get("end") if tool.get("end") is not None else data["end"],
+            inputs=_tool_inputs(tool.get("arguments")), outputs=tool.get("result"),
+            attributes=attributes, error=tool.get("error"),
+        ))  # fmt: skip
+
+    first_prompt = prompts[0] if prompts else {}
+    root_inputs = _compact(
+        {
+            "messages": first_prompt.get("messages"),
+            "prompt": first_prompt.get("text"),
+            "prompt_ids": first_prompt.get("token_ids"),
+            "prompt_text": texts[0] if texts else None,
+        }
+    )
+    last = (calls[-1].get("outputs") or [{}])[0] if calls else {}
+    response = last.get("text") if last.get("text") is not None else last.get("response_text")
+    if response is None and last.get("tool_calls"):
+        response = last.get("tool_calls")
+    root_outputs = _compact(
+        {
+            "response": response,
+            "transcript": transcript_of(data),
+            "reward": data.get("reward"),
+            "score": data.get("score"),
+            "labels": data.get("labels") or None,
+            "num_turns": len(calls),
+            "status": data.get("status"),
+            "close_reason": data.get("close_reason"),
+        }
+    )
+    root_attributes = _compact(
+        {
+            "trajectory_record_id": data["id"],
+            "project": key.get("project"),
+            "experiment": key.get("experiment"),
+            "step": key.get("step"),
+            "sample_index": key.get("sample_index"),
+            "rollout_n": key.get("rollout_n"),
+            "validate": key.get("validate"),
+            "trajectory_id": key.get("trajectory_id"),
+            "sample_hash": key.get("sample_hash"),
+            "key_sources": key.get("sources") or None,
+            "part": data.get("part"),
+            "upstreams": data.get("upstreams") or None,
+            "weight_versions": data.get("weight_versions") or None,
+            "annotations": data.get("annotations") or None,
+            "summary": data.get("summary") or None,
+        }
+    )
+    error = data.get("status") == "error"
+    spans.insert(0, _SpanData(
+        name=ROOT_SPAN, span_type=SpanType.AGENT, part="root", root=True,
+        start=data["start"], end=data["end"], inputs=root_inputs, outputs=root_outputs,
+        attributes=root_attributes, error=_root_error(calls) if error else None,
+    ))  # fmt: skip
+
+    # verl's tags, as verl writes them (str() of the value), so the same filters work.
+    tags = {"mlflow.traceName": ROOT_SPAN}
+    for name in ("step", "sample_index", "rollout_n"):
+        if key.get(name) is not None:
+            tags[name] = str(key[name])
+    tags["validate"] = str(bool(key.get("validate")))
+    tags["experiment_name"] = str(key.get("experiment"))
+    if key.get("trajectory_id") is not None:
+        tags["trajectory_id"] = str(key["trajectory_id"])
+    tags.update(outcome_tags(data.get("reward"), data.get("score"), data.get("labels")))
+
+    metadata = {"mlflow.trace_schema.version": "3", "trace_proxy.record_id": data["id"]}
+    if run_id is not None:
+        metadata["mlflow.sourceRun"] = run_id
+    usage = [u for u in (_token_usage(c.get("usage")) for c in calls) if u is not None]
+    if usage:
+        totals = {k: sum(u[k] for u in usage) for k in usage[0]}
+        metadata["mlflow.trace.tokenUsage"] = _json(totals)
+
+    messages = first_prompt.get("messages")
+    request = _last_user_text(messages) if messages else None
+    if request is None:
+        request = first_prompt.get("text") or root_inputs.get("prompt_text")
+    return TraceRecord(
+        trace_id=trace_id,
+        info_tags=tags,
+        metadata=metadata,
+        request_preview=_preview(request),
+        response_preview=_preview(response),
+        start_ns=_ns(data["start"]),
+        end_ns=_ns(data["end"]),
+        error=error,
+        spans=spans,
+        record_id=data["id"],
+    )  # fmt: skip
+
+
+def to_mlflow_spans(
+    trace: TraceRecord, experiment_id: str, *, tags_on_root: bool = False
+) -> list[Span]:
+    """MLflow span entities; `tags_on_root`: the trace tags also as root attributes
+    `mlflow.traceTag.<k>`, for a server that creates the trace from its spans (OTLP)."""
+    otel_trace_id = _b64(bytes.fromhex(trace.trace_id.removeprefix("tr-")))
+    request_id = _json(trace.trace_id)
+    spans = []
+    for span in trace.spans:
+        start = _ns(span.start)
+        end = max(start, _ns(span.end)) if span.end is not None else start
+        attributes = {
+            "mlflow.traceRequestId": request_id,
+            "mlflow.spanType": _json(span.span_type),
+            "mlflow.spanInputs": _json(span.inputs),
+            "mlflow.spanOutputs": _json(span.outputs),
+            **{k: _json(v) for k, v in span.attributes.items()},
+        }
+        if span.root:
+            attributes["mlflow.experimentId"] = _json(experiment_id)
+            if tags_on_root:
+                for name, value in trace.info_tags.items():
+                    attributes["mlflow.traceTag." + name] = _json(value)
+        if span.error is not None:
+            attributes["error"] = _json(span.error)
+        message = span.status_message
+        status = (
+            {"code": "STATUS_CODE_OK", "message": ""}
+            if message is None
+            else {"code": "STATUS_CODE_ERROR", "message": message}
+        )
+        parent = None if span.root else _span_id(trace.trace_id, "root")
+        spans.append(Span.from_dict({
+            "trace_id": otel_trace_id,
+            "span_id": _b64(_span_id(trace.trace_id, span.part)),
+            "parent_span_id": _b64(parent) if parent is not None else None,
+            "name": span.name,
+            "start_time_unix_nano": start,
+            "end_time_unix_nano": end,
+            "events": [],
+            "status": status,
+            "attributes": attributes,
+        }))  # fmt: skip
+    return spans
+
+
+# --- the exporter ------------------------------------------------------------------------------
+
+
+class MlflowExporter:
+    """Exports trajectories to MLflow; every call happens in the pipeline's worker thread."""
+
+    name = "mlflow"
+
+    def __init__(self, tracking_uri: str, project: str, run: str | None = None) -> None:
+        self.tracking_uri = tracking_uri
+        self.project = project  # the experiment of records that name no project
+        self.run = run  # a run id, or a run name; None: the record's experiment name
+        self._client: MlflowClient | None = None
+        self._tracing: TracingClient | None = None
+        self._experiments: dict[str, str] = {}
+        self._runs: dict[tuple[str, str], str] = {}
+        self._created_runs: list[str] = []
+        scheme = urlsplit(tracking_uri).scheme.lower()
+        self._remote = scheme in ("http", "https")
+        # MLflow's file store (a path or file: URI) keeps spans as trace artifacts and cannot
+        # link traces to runs: the `mlflow.sourceRun` metadata is the link there.
+        self._file_store = scheme in ("", "file") or len(scheme) == 1  # or a drive letter
+        self._log_spans = not self._file_store  # False once a store refuses spans
+
+    # The clients are made in the worker thread, on first use: nothing blocks the event loop.
+    def _clients(self) -> tuple[MlflowClient, TracingClient]:
+        if self._client is None or self._tracing is None:
+            uri = self.tracking_uri
+            if uri.startswith("sqlite:///"):
+                path = uri.removeprefix("sqlite:///").split("?", 1)[0]
+                if path and path != ":memory:":
+                    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._client = MlflowClient(tracking_uri=uri)
+            self._tracing = TracingClient(uri)
+        return self._client, self._tracing
+
+    def export(self, records: list[Record]) -> None:
+        traces: list[tuple[TraceRecord, str]] = []  # (trace, experiment id)
+        for record in records:
+            if not isinstance(record, Trajectory):
+                continue
+            experiment_id = self.experiment_id(record.key.project or self.project)
+            run_id = self.run_id(experiment_id, record.key.experiment)
+            try:
+                traces.append((render(record, run_id), experiment_id))
+            except Exception:  # a bug: retrying would not help, and must not block the rest
+                log.exception("mlflow: trajectory %s could not be rendered; skipped", record.id)
+        self._write_traces(traces)
+        for record in records:
+            if isinstance(record, Annotation):
+                self._annotate(record)
+            elif isinstance(record, StepSummary):
+                self._log_summary(record)
+
+    def close(self) -> None:
+        """Writes are synchronous: only the runs this exporter created are ended."""
+        if self._client is None:
+            return
+        for run_id in self._created_runs:
+            try:
+                self._client.set_terminated(run_id)
+            except Exception:
+                log.exception("mlflow: could not end run %s", run_id)
+        self._created_runs.clear()
+
+    # --- experiments and runs ---
+
+    def experiment_id(self, name: str) -> str:
+        cached = self._experiments.get(name)
+        if cached is not None:
+            return cached
+        client, _ = self._clients()
+        experiment = client.get_experiment_by_name(name)
+        if experiment is None:
+            try:
+                experiment_id = str(client.create_experiment(name))
+            except MlflowException as exc:
+                if exc.error_code != "RESOURCE_ALREADY_EXISTS":
+                    raise
+                experiment = client.get_experiment_by_name(name)  # created meanwhile
+                if experiment is None:
+                    raise
+                experiment_id = str(experiment.experiment_id)
+        elif experiment.lifecycle_stage != "active":
+            raise MlflowException(
+                f"MLflow experiment {name!r} is deleted: restore it, or choose another project"
+            )
+        else:
+            experiment_id = str(experiment.experiment_id)
+        self._experiments[name] = experiment_id
+        return experiment_id
+
+    def run_id(self, experiment_id: str, experiment_name: str) -> str:
+        """The run traces are linked to: `run` as a run id if one exists, else as a run name
+        (the record's experiment name by default) found, or created, in the experiment."""
+        name = self.run or experiment_name
+        cache_key = (experiment_id, name)
+        cached = self._runs.get(cache_key)
+        if cached is not None:
+            return cached
+        client, _ = self._clients()
+        run_id: str | None = None
+        if self.run is not None and _HEX32.fullmatch(self.run):
+            try:
+                run_id = str(client.get_run(self.run).info.run_id)
+            except MlflowException as exc:
+                if exc.error_code != _NOT_FOUND:
+                    raise
+        if run_id is None:
+            quote = '"' if "'" in name else "'"
+            found = client.search_runs(
+                [experiment_id],
+                filter_string=f"attributes.run_name = {quote}{name}{quote}",
+                max_results=1,
+                order_by=["attributes.start_time DESC"],
+            )
+            if found:
+                run_id = str(found[0].info.run_id)
+            else:
+                created = client.create_run(
+                    experiment_id, run_name=name, tags={"mlflow.source.name": "trace-proxy"}
+                )
+                run_id = str(created.info.run_id)
+                self._created_runs.append(run_id)
+        self._runs[cache_key] = run_id
+        return run_id
+
+    # --- writing ---
+
+    def _write_traces(self, traces: list[tuple[TraceRecord, str]]) -> None:
+        """In process: `start_trace` (tags, metadata, previews) then the spans in bulk. To a
+        server: the spans only, over OTLP, the tags riding on the root span (MLflow turns
+        `mlflow.traceTag.<k>` into trace tags): one request per 500 spans instead of one per
+        trace, about 3x faster. A store that cannot take spans gets them as trace artifacts."""
+        if not traces:
+            return
+        _, tracing = self._clients()
+        by_experiment: dict[str, list[tuple[TraceRecord, TraceInfo, list[Span]]]] = {}
+        for trace, experiment_id in traces:
+            info = TraceInfo(
+                trace_id=trace.trace_id,
+                trace_location=TraceLocation.from_experiment_id(experiment_id),
+                request_time=trace.start_ns // 1_000_000,
+                execution_duration=(trace.end_ns - trace.start_ns) // 1_000_000,
+                state=TraceState.ERROR if trace.error else TraceState.OK,
+                request_preview=trace.request_preview,
+                response_preview=trace.response_preview,
+                client_request_id=trace.record_id,
+                trace_metadata=dict(trace.metadata),
+                tags=dict(trace.info_tags),
+            )
+            spans = to_mlflow_spans(trace, experiment_id, tags_on_root=self._remote)
+            by_experiment.setdefault(experiment_id, []).append((trace, info, spans))
+        for experiment_id, items in by_experiment.items():
+            started: list[TraceInfo] = []
+            if self._log_spans and not self._remote:
+                started = [tracing.start_trace(info) for _, info, _ in items]
+            if self._log_spans:
+                spans = [span for _, _, trace_spans in items for span in trace_spans]
+                try:
+                    for chunk in _chunks(spans, SPANS_PER_CALL):
+                        tracing.log_spans(experiment_id, chunk)
+                except (NotImplementedError, RestException) as exc:
+                    if isinstance(exc, RestException) and "not supported" not in exc.message:
+                        raise
+                    log.info("mlflow: %s keeps spans as trace artifacts", self.tracking_uri)
+                    self._log_spans = False
+            if not self._log_spans:
+                if not started:
+                    started = [tracing.start_trace(info) for _, info, _ in items]
+                for (_, _, trace_spans), info in zip(items, started, strict=True):
+                    tracing._upload_trace_data(info, TraceData(spans=trace_spans))
+            self._link(items)
+
+    def _link(self, items: list[tuple[TraceRecord, TraceInfo, list[Span]]]) -> None:
+        if self._file_store:
+            return
+        client, _ = self._clients()
+        by_run: dict[str, list[str]] = {}
+        for trace, _, _ in items:
+            run_id = trace.metadata.get("mlflow.sourceRun")
+            if run_id is not None:
+                by_run.setdefault(run_id, []).append(trace.trace_id)
+        for run_id, trace_ids in by_run.items():
+            for chunk in _chunks(trace_ids, LINKS_PER_CALL):
+                client.link_traces_to_run(chunk, run_id)
+
+    def _annotate(self, note: Annotation) -> None:
+        """A late reward: set as tags on the traces of the trajectories it names."""
+        tags = outcome_tags(note.reward, note.score, note.labels)
+        if not tags:
+            return
+        _, tracing = self._clients()
+        for record_id in note.trajectories:
+            trace_id = trace_id_of(record_id)
+            try:  # a store may not say "not found" when tagging a missing trace: ask first
+                tracing.get_trace_info(trace_id)
+            except MlflowException as exc:
+                if exc.error_code != _NOT_FOUND:
+                    raise
+                log.info("mlflow: no trace %s for a late reward; not exported here", trace_id)
+                continue
+            for key, value in tags.items():
+                tracing.set_trace_tag(trace_id, key, value)
+
+    def _log_summary(self, summary: StepSummary) -> None:
+        if summary.step is None:
+            return
+        client, _ = self._clients()
+        experiment_id = self.experiment_id(summary.project or self.project)
+        run_id = self.run_id(experiment_id, summary.experiment)
+        prefix = "trace_proxy/validate/" if summary.validate else "trace_proxy/"
+        now = int(time.time() * 1000)
+        metrics = [
+            Metric(prefix + name, float(getattr(summary, name)), now, summary.step)
+            for name in (
+                "trajectories_seen", "trajectories_kept", "trajectories_dropped_by_sampler",
+                "calls_seen", "calls_kept", "calls_dropped_by_sampler",
+            )
+        ]  # fmt: skip
+        client.log_batch(run_id, metrics=metrics)
+
+
+def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
+    for start in range(0, len(items), size):
+        yield items[start : start + size]
+
+
+def default_tracking_uri(settings: Settings) -> str:
+    """--mlflow-tracking-uri, else MLFLOW_TRACKING_URI, else sqlite under --output."""
+    if settings.mlflow_tracking_uri:
+        return settings.mlflow_tracking_uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    return "sqlite:///" + str((settings.output / "mlflow.db").absolute())
+
+
+def create(settings: Settings) -> MlflowExporter:
+    return MlflowExporter(default_tracking_uri(settings), settings.project, settings.mlflow_run)
+
+
+__all__ = ["MlflowExporter", "create", "render", "trace_id_of"]
