@@ -90,7 +90,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(_serve(settings))
     from trace_proxy.demo.run import run_demo
 
-    return _run(run_demo(settings, **extra))
+    try:
+        return _run(run_demo(settings, **extra))
+    except ConfigError as exc:
+        print(f"trace-proxy: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _run(main: Coroutine[Any, Any, int]) -> int:
