@@ -22,7 +22,13 @@ def _trackio(settings: Settings) -> Exporter:
     return create(settings)
 
 
-BACKENDS: dict[str, ExporterFactory] = {"jsonl": _jsonl, "trackio": _trackio}
+def _otlp(settings: Settings) -> Exporter:
+    from trace_proxy.exporters.otlp import create
+
+    return create(settings)
+
+
+BACKENDS: dict[str, ExporterFactory] = {"jsonl": _jsonl, "trackio": _trackio, "otlp": _otlp}
 
 
 def known_backends() -> list[str]:

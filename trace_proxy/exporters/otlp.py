@@ -32,7 +32,8 @@ SpanExporter reports failure, so the pipeline retries. The SDK's processors cann
 True after a failed export, so a 503 would be lost silently. Nothing is buffered between calls:
 when `export()` returns, the spans were accepted. Records already accepted in a batch that then
 failed are not sent again by its retry. `OTLPSpanExporter` itself retries 429/502/503/504 and
-connection errors with backoff within its timeout (10 s) before it reports failure.
+connection errors with backoff (or the receiver's Retry-After) while that fits in its timeout
+(10 s, `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`) before it reports failure.
 
 Cost: one pass over the record building plain dicts, one orjson dump per message list, and the
 SDK's span objects; a call's full prompt is re-sent on every call (the conventions want the whole
@@ -80,7 +81,7 @@ AGENT_NAME = "agent_loop"
 SCOPE = "trace_proxy.exporters.otlp"
 REQUEST_BUDGET = 8_000_000  # characters of content per OTLP request (the receiver caps bytes)
 PROVIDERS = {"vllm.generate": "vllm", "sglang.generate": "sglang"}
-# key field -> (root attribute, MLflow trace tag)
+# key field -> root attribute; the MLflow trace tag is `mlflow.traceTag.<key field>`
 KEY_ATTRIBUTES = {
     "project": "rollout.project",
     "experiment": "rollout.experiment",
