@@ -28,7 +28,18 @@ def _otlp(settings: Settings) -> Exporter:
     return create(settings)
 
 
-BACKENDS: dict[str, ExporterFactory] = {"jsonl": _jsonl, "trackio": _trackio, "otlp": _otlp}
+def _mlflow(settings: Settings) -> Exporter:
+    from trace_proxy.exporters.mlflow import create
+
+    return create(settings)
+
+
+BACKENDS: dict[str, ExporterFactory] = {
+    "jsonl": _jsonl,
+    "trackio": _trackio,
+    "otlp": _otlp,
+    "mlflow": _mlflow,
+}
 
 
 def known_backends() -> list[str]:

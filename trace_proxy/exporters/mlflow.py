@@ -51,21 +51,19 @@ if TYPE_CHECKING:
 # Before MLflow is imported: a proxy never phones home; MLFLOW_DISABLE_TELEMETRY=false overrides.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 
-try:
-    from mlflow.entities import (
-        Metric,
-        Span,
-        SpanType,
-        TraceData,
-        TraceInfo,
-        TraceLocation,
-        TraceState,
-    )
-    from mlflow.exceptions import MlflowException, RestException
-    from mlflow.tracing.client import TracingClient
-    from mlflow.tracking import MlflowClient
-except ImportError as exc:  # pragma: no cover - depends on the installed extras
-    raise ImportError("the mlflow backend needs MLflow: pip install 'trace-proxy[mlflow]'") from exc
+# ImportError without the extra: the backend registry says `pip install 'trace-proxy[mlflow]'`.
+from mlflow.entities import (
+    Metric,
+    Span,
+    SpanType,
+    TraceData,
+    TraceInfo,
+    TraceLocation,
+    TraceState,
+)
+from mlflow.exceptions import MlflowException, RestException
+from mlflow.tracing.client import TracingClient
+from mlflow.tracking import MlflowClient
 
 log = logging.getLogger(__name__)
 
