@@ -146,3 +146,18 @@ def test_prefix_sharing_of_chat_messages() -> None:
         {"role": "assistant", "content": "yo"},
         {"role": "user", "content": "more"},
     ]
+
+
+def test_a_later_call_without_tools_does_not_inherit_them() -> None:
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    first = call(0)
+    first.prompt = Prompt(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    second = call(1)
+    second.prompt = Prompt(messages=[{"role": "user", "content": "hi"},
+                                     {"role": "user", "content": "again"}])  # fmt: skip
+    share_prefixes([first, second])
+    stored = orjson.loads(dumps(Trajectory(
+        id="x", key=None, start=0, end=1, status="ok", close_reason="done",  # type: ignore[arg-type]
+        calls=[first, second],
+    )))  # fmt: skip
+    assert [p["tools"] for p in expand_prompts(stored)] == [tools, []]

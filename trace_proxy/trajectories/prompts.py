@@ -74,7 +74,8 @@ def share_prefixes(calls: list[GenerateCall]) -> None:
                     token_ids=suffixes.get("token_ids", full.token_ids),
                     text=suffixes.get("text", full.text),
                     messages=suffixes.get("messages", full.messages),
-                    tools=None if full.tools == prev_full.tools else full.tools,
+                    # None: the same tools as the referenced call; [] when this call sent none.
+                    tools=None if full.tools == prev_full.tools else (full.tools or []),
                     prefix_call=ref,
                     prefix_len=lengths,
                 )
