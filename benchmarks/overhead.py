@@ -406,7 +406,11 @@ if __name__ == "__main__":
     sys.exit(main())
 
 
-OTHER_SECTIONS = ("\n## token2text decode throughput", "\n## Stored volume per trajectory")
+OTHER_SECTIONS = (
+    "\n## token2text decode throughput",
+    "\n## Stored volume per trajectory",
+    "\n## Export backends",
+)
 
 
 def _other_sections(path: Path) -> str:
