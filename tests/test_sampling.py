@@ -105,8 +105,16 @@ async def test_without_sampling_every_step_is_summarised(
 
 def test_verl_option_names_and_exclusive_modes(tmp_path: Path) -> None:
     config = tmp_path / "verl.yaml"
-    config.write_text("trace:\n  max_samples_per_step_per_worker: 4\n  token2text: true\n")
+    config.write_text(
+        "trace:\n  backend: mlflow\n  token2text: true\n  max_samples_per_step_per_worker: 4\n"
+        "  project_name: verl_grpo\n  experiment_name: qwen3-run\n"
+    )  # actor_rollout_ref.rollout.trace, as verl writes it
     settings = resolve("serve", {"config": str(config)}, {})
     assert (settings.max_samples_per_step, settings.token2text) == (4, True)
+    assert (settings.backend, settings.project, settings.experiment) == (
+        ["mlflow"],
+        "verl_grpo",
+        "qwen3-run",
+    )
     with pytest.raises(ValueError, match="either"):
         resolve("serve", {"max_samples_per_step": "2", "sample_rate": "0.5"}, {})
