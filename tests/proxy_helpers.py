@@ -12,6 +12,10 @@ from typing import Any
 from aiohttp import web
 
 from trace_proxy.config import Settings
+from trace_proxy.exporters.pipeline import ExportPipeline
+from trace_proxy.exporters.runner import ExportRunner
+from trace_proxy.exporters.spool import SpoolWriter
+from trace_proxy.metrics import ExportMetrics, Metrics
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.show import iter_records
 
@@ -68,3 +72,32 @@ def closed_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
     return port
+
+
+def inline_pipeline(
+    spool_dir: Path,
+    exporters: list[Any],
+    *,
+    processors: list[Any] | None = None,
+    max_bytes: int = 1 << 30,
+    segment_bytes: int | None = None,
+    batch_size: int = 64,
+) -> tuple[ExportPipeline, Metrics]:
+    """An export pipeline with its exporters in this process, retrying quickly (fault tests)."""
+    metrics = Metrics()
+    runner = ExportRunner(
+        spool_dir,
+        exporters,
+        ExportMetrics(metrics.registry),
+        processors=processors,
+        batch_size=batch_size,
+        backoff=0.001,
+        max_backoff=0.01,
+    )
+    spool = SpoolWriter(spool_dir, max_bytes=max_bytes, segment_bytes=segment_bytes)
+    return ExportPipeline(runner, metrics, spool), metrics
+
+
+def metric(metrics: Metrics, name: str, **labels: str) -> float:
+    sample = metrics.registry.get_sample_value(name, labels)
+    return sample if sample is not None else 0.0

@@ -10,6 +10,7 @@ import dataclasses
 import json
 from collections.abc import AsyncIterator
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -26,15 +27,13 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
-from proxy_helpers import closed_port, scripted_upstream
+from proxy_helpers import closed_port, inline_pipeline, scripted_upstream
 
 from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.exporters.otlp import OtlpExporter, OtlpExportError, create, parse_headers
-from trace_proxy.exporters.pipeline import ExportPipeline
-from trace_proxy.metrics import Metrics
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.show import iter_records
 from trace_proxy.trajectories.prompts import share_prefixes
@@ -484,15 +483,17 @@ async def test_a_refusing_or_absent_receiver_makes_export_raise(recorded: Record
     await asyncio.to_thread(exporter.close)
 
 
-async def test_the_pipeline_retries_and_nothing_arrives_twice(recorded: Recorded) -> None:
+async def test_the_pipeline_retries_and_nothing_arrives_twice(
+    recorded: Recorded, tmp_path: Path
+) -> None:
     async with receiver([200, 503]) as (url, received):
         exporter = OtlpExporter(url, {})
         exporter.request_budget = 1  # a request per record: the second one is refused
-        metrics = Metrics()
-        pipeline = ExportPipeline([exporter], metrics, max_attempts=3, backoff=0.001)
-        pipeline.start()
+        pipeline, metrics = inline_pipeline(tmp_path, [exporter])
+        await pipeline.start()
         for record in recorded.records:
             pipeline.submit(record)
+        await pipeline.flush()
         await pipeline.close()
     traces = [r for r in recorded.records if not isinstance(r, StepSummary | Annotation)]
     assert [r.status for r in received] == [200, 503] + [200] * (len(traces) - 1)

@@ -1,25 +1,34 @@
-"""The export pipeline: a failing or stuck backend is retried, counted, and never holds up
-another; processors run once before the fan-out and a failing one loses nothing."""
+"""The export pipeline: records wait in the spool until every backend has them; a failing,
+stuck or rejecting backend is retried, bounded and counted, and never holds up another; a crash
+loses nothing and a replay duplicates nothing; a failing processor loses nothing."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 import threading
+from pathlib import Path
 
-from trace_proxy.exporters.pipeline import ExportPipeline
-from trace_proxy.metrics import Metrics
+from proxy_helpers import inline_pipeline, metric, trajectories
+
+from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.spool import Cursor
 from trace_proxy.trajectories.record import Record, RolloutKey, Trajectory
 
 
-def record(i: int) -> Trajectory:
+def record(i: int, payload: str = "") -> Trajectory:
     return Trajectory(id=f"t{i}", key=RolloutKey(project="p", experiment="e"), start=0.0,
-                      end=float(i), status="ok", close_reason="done", calls=[])  # fmt: skip
+                      end=float(i), status="ok", close_reason="done", calls=[],
+                      labels={"payload": payload} if payload else {})  # fmt: skip
 
 
 class Collecting:
-    name = "collect"
-
-    def __init__(self) -> None:
+    def __init__(self, name: str = "collect") -> None:
+        self.name = name
         self.records: list[Record] = []
 
     def export(self, records: list[Record]) -> None:
@@ -62,63 +71,173 @@ class Stuck:
         pass
 
 
-def value(metrics: Metrics, name: str, **labels: str) -> float:
-    sample = metrics.registry.get_sample_value(name, labels)
-    return sample if sample is not None else 0.0
+def ids(records: list[Record]) -> list[str]:
+    return [r.id for r in records if isinstance(r, Trajectory)]
 
 
-async def test_a_dead_backend_is_retried_counted_and_does_not_hold_up_another() -> None:
-    metrics = Metrics()
-    good, dead = Collecting(), Failing()
-    pipeline = ExportPipeline([good, dead], metrics, max_attempts=3, backoff=0.001)
-    pipeline.start()
-    for i in range(10):
-        pipeline.submit(record(i))
-    await pipeline.close()
-    assert [r.id for r in good.records] == [f"t{i}" for i in range(10)]
-    assert dead.attempts >= 3
-    dropped = value(metrics, "trace_proxy_export_dropped_total", backend="down",
-                    reason="export_failed")  # fmt: skip
-    assert dropped == 10
-    assert value(metrics, "trace_proxy_export_retries_total", backend="down") >= 2
-    assert value(metrics, "trace_proxy_backend_up", backend="down") == 0
-    assert value(metrics, "trace_proxy_backend_up", backend="collect") == 1
-    assert value(metrics, "trace_proxy_exported_records_total", backend="collect") == 10
+async def until(condition: object, timeout: float = 10) -> None:
+    """Polls an observable result, bounded by a timeout."""
 
-
-async def test_a_stuck_backend_never_stalls_the_others() -> None:
-    metrics = Metrics()
-    good, stuck = Collecting(), Stuck()
-    pipeline = ExportPipeline([good, stuck], metrics, queue_size=4)
-    pipeline.start()
-
-    async def exported(count: int) -> None:
-        while len(good.records) < count:  # polls an observable result, bounded by wait_for
+    async def poll() -> None:
+        while not condition():  # type: ignore[operator]
             await asyncio.sleep(0.005)
 
-    for i in range(20):
+    await asyncio.wait_for(poll(), timeout)
+
+
+async def test_a_dead_backend_keeps_its_records_spooled_until_it_is_back(tmp_path: Path) -> None:
+    good, dead = Collecting(), Failing()
+    pipeline, metrics = inline_pipeline(tmp_path, [good, dead])
+    await pipeline.start()
+    for i in range(10):
         pipeline.submit(record(i))
-        await asyncio.wait_for(exported(i + 1), 10)
-    assert len(stuck.records) == 0  # still holding its thread
-    full = value(metrics, "trace_proxy_export_dropped_total", backend="stuck", reason="queue_full")
-    assert full > 0  # its bounded queue overflowed: counted, not silently lost
-    stuck.release.set()
+    await until(lambda: len(good.records) == 10 and dead.attempts >= 3)
+    await pipeline.close(timeout=0.05)  # the dead one cannot catch up: its records stay
+    assert ids(good.records) == [f"t{i}" for i in range(10)]
+    assert metric(metrics, "trace_proxy_export_retries_total", backend="down") >= 2
+    assert metric(metrics, "trace_proxy_backend_up", backend="down") == 0
+    assert metric(metrics, "trace_proxy_backend_up", backend="collect") == 1
+    assert metric(metrics, "trace_proxy_exported_records_total", backend="collect") == 10
+    assert metric(metrics, "trace_proxy_export_dropped_total", backend="down",
+                  reason="spool_full") == 0  # fmt: skip
+    assert Cursor(tmp_path, "down").load().next == 0
+
+    # The next start: the backend is up again and gets every record once; the other gets none.
+    back, again = Collecting("down"), Collecting()
+    pipeline, metrics = inline_pipeline(tmp_path, [again, back])
+    await pipeline.start()
+    await pipeline.flush()
     await pipeline.close()
-    assert len(stuck.records) + full == 20
+    assert ids(back.records) == [f"t{i}" for i in range(10)]
+    assert again.records == []
 
 
-async def test_a_failing_processor_exports_records_as_they_are() -> None:
+async def test_a_stuck_backend_never_stalls_the_others_and_the_disk_budget_bounds_it(
+    tmp_path: Path,
+) -> None:
+    good, stuck = Collecting(), Stuck()
+    budget = 8 << 10
+    pipeline, metrics = inline_pipeline(
+        tmp_path, [good, stuck], max_bytes=budget, segment_bytes=1 << 10
+    )
+    await pipeline.start()
+    for i in range(60):
+        pipeline.submit(record(i, payload="x" * 200))  # about 300 bytes each
+        await until(lambda n=i + 1: len(good.records) == n)  # type: ignore[misc]
+    assert stuck.records == []  # still holding its thread
+    assert pipeline.spool.used_bytes <= budget
+    stuck.release.set()
+    await pipeline.flush()
+    await pipeline.close()
+    assert ids(good.records) == [f"t{i}" for i in range(60)]
+    lost = metric(metrics, "trace_proxy_export_dropped_total", backend="stuck", reason="spool_full")
+    assert lost > 0  # the budget deleted what it had not read: counted, not silently lost
+    assert len(stuck.records) + lost == 60
+    assert sorted(ids(stuck.records), key=lambda s: int(s[1:])) == ids(stuck.records)  # in order
+    assert metric(metrics, "trace_proxy_export_dropped_total", backend="collect",
+                  reason="spool_full") == 0  # fmt: skip
+
+
+async def test_a_rejected_record_is_dropped_and_the_rest_of_its_batch_goes_out(
+    tmp_path: Path,
+) -> None:
+    class Picky(Collecting):
+        def export(self, records: list[Record]) -> None:
+            if "t3" in ids(records):
+                raise ExportRejected("t3 is too large for this backend")
+            super().export(records)
+
+    picky = Picky("picky")
+    pipeline, metrics = inline_pipeline(tmp_path, [picky])
+    await pipeline.start()
+    for i in range(6):
+        pipeline.submit(record(i))
+    await pipeline.flush()
+    await pipeline.close()
+    assert sorted(ids(picky.records)) == ["t0", "t1", "t2", "t4", "t5"]
+    assert metric(metrics, "trace_proxy_export_dropped_total", backend="picky",
+                  reason="rejected") == 1  # fmt: skip
+
+
+async def test_a_failing_processor_exports_records_as_they_are(tmp_path: Path) -> None:
     class Broken:
         name = "broken"
 
         def process(self, records: list[Record]) -> None:
             raise RuntimeError("tokenizer exploded")
 
-    metrics = Metrics()
     good = Collecting()
-    pipeline = ExportPipeline([good], metrics, processors=[Broken()])
-    pipeline.start()
+    pipeline, metrics = inline_pipeline(tmp_path, [good], processors=[Broken()])
+    await pipeline.start()
     pipeline.submit(record(1))
+    await pipeline.flush()
     await pipeline.close()
-    assert [r.id for r in good.records] == ["t1"]
-    assert value(metrics, "trace_proxy_processing_errors_total", processor="broken") == 1
+    assert ids(good.records) == ["t1"]
+    assert metric(metrics, "trace_proxy_processing_errors_total", processor="broken") == 1
+
+
+async def test_processors_run_once_for_all_backends(tmp_path: Path) -> None:
+    class Counting:
+        name = "counting"
+
+        def __init__(self) -> None:
+            self.seen: list[str] = []
+
+        def process(self, records: list[Record]) -> None:
+            self.seen.extend(ids(records))
+
+    counting = Counting()
+    first, second = Collecting("first"), Collecting("second")
+    pipeline, _ = inline_pipeline(tmp_path, [first, second], processors=[counting])
+    await pipeline.start()
+    for i in range(20):
+        pipeline.submit(record(i))
+    await pipeline.flush()
+    await pipeline.close()
+    assert ids(first.records) == ids(second.records) == [f"t{i}" for i in range(20)]
+    assert sorted(counting.seen) == sorted(f"t{i}" for i in range(20))
+
+
+CRASHING_RUN = """
+import asyncio, os, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+from proxy_helpers import inline_pipeline
+from test_pipeline import record
+from trace_proxy.exporters.jsonl import JsonlExporter
+
+class CrashesAfterItsSecondBatch(JsonlExporter):
+    batches = 0
+    def export(self, records):
+        super().export(records)
+        self.batches += 1
+        if self.batches == 2:
+            os._exit(9)  # the line is written, the cursor is not: the worst moment
+
+async def main():
+    output = Path({output!r})
+    pipeline, _ = inline_pipeline(output / ".spool", [CrashesAfterItsSecondBatch(output)],
+                                  batch_size=4)
+    await pipeline.start()
+    for i in range(20):
+        pipeline.submit(record(i))
+    await pipeline.flush()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_crash_loses_nothing_and_the_replay_duplicates_nothing(tmp_path: Path) -> None:
+    tests = str(Path(__file__).parent)
+    script = textwrap.dedent(CRASHING_RUN).format(tests=tests, output=str(tmp_path))
+    env = {**os.environ, "PYTHONPATH": tests}
+    crashed = subprocess.run([sys.executable, "-c", script], env=env, timeout=60, check=False)
+    assert crashed.returncode == 9
+    assert len(trajectories(tmp_path)) == 8  # two batches of 4 were written before the crash
+    assert Cursor(tmp_path / ".spool", "jsonl").load().pending == 8
+
+    pipeline, _ = inline_pipeline(tmp_path / ".spool", [JsonlExporter(tmp_path)], batch_size=4)
+    await pipeline.start()
+    await pipeline.flush()
+    await pipeline.close()
+    assert sorted(t["id"] for t in trajectories(tmp_path)) == sorted(f"t{i}" for i in range(20))

@@ -120,6 +120,10 @@ async def _serve(settings: Settings) -> int:
         print(f"trace-proxy: error: invalid value for --tokenizer: {exc}", file=sys.stderr)
         await service.stop()
         return EXIT_USAGE
+    except ConfigError as exc:  # reported by the export process as it starts
+        print(f"trace-proxy: error: {exc}", file=sys.stderr)
+        await service.stop()
+        return EXIT_USAGE
     except OSError as exc:
         print(f"trace-proxy: error: cannot listen on {settings.host}:{settings.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip

@@ -67,6 +67,27 @@ def parse_seconds(value: Any) -> float:
     return seconds
 
 
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def parse_size(value: Any) -> int:
+    """Bytes: 1073741824, 512MiB, 512M, 2GB, 1.5G (binary units)."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(?:i?b)?\s*", str(value).lower())
+    if match is None or isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a size (e.g. 1073741824, 512MiB, 2GiB)")
+    size = int(float(match[1]) * _SIZE_UNITS[match[2]])
+    if size <= 0:
+        raise ValueError("must be a positive size")
+    return size
+
+
+def parse_export_mode(value: Any) -> str:
+    mode = parse_str(value).lower()
+    if mode not in ("process", "inline"):
+        raise ValueError(f"{value!r} is not one of: process, inline")
+    return mode
+
+
 def parse_optional_seconds(value: Any) -> float | None:
     """Seconds, or none/off/0 for 'no limit' (generations can run for minutes)."""
     if value is None or (isinstance(value, str) and value.lower() in ("", "none", "off", "0")):
@@ -283,6 +304,18 @@ OPTIONS: tuple[Option, ...] = (
            "TRACKIO_DIR, else trackio's own default)", metavar="DIR", commands=("serve", "demo")),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
            "are counted as dropped", metavar="N"),
+    Option("spool_dir", Path, None, "where closed trajectories wait on disk until every backend "
+           "has them (default: OUTPUT/.spool)", metavar="DIR", commands=("serve", "demo")),
+    Option("spool_max_bytes", parse_size, 1 << 30, "disk budget of the spool; past it the "
+           "oldest records are deleted and counted as dropped (spool_full) for the backends that "
+           "did not have them yet", metavar="SIZE", commands=("serve", "demo")),
+    Option("spool_fsync", parse_seconds, 1.0, "at most this many seconds of spooled records "
+           "can be lost to a power failure (a process crash loses none)", metavar="SECONDS"),
+    Option("export_queue", parse_int, 10000, "records kept in memory while the spool cannot "
+           "take them, before new ones are counted as dropped", metavar="N"),
+    Option("export_mode", parse_export_mode, "process", "run the exporters in their own process "
+           "(process), so they never take CPU time from forwarding, or in the proxy's (inline)",
+           metavar="MODE", commands=("serve", "demo")),
     Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
            metavar="LEVEL", commands=("serve", "demo")),
 )  # fmt: skip
@@ -325,6 +358,11 @@ class Settings:
     mlflow_run: str | None = None
     trackio_dir: Path | None = None
     capture_queue: int = 10000
+    spool_dir: Path | None = None
+    spool_max_bytes: int = 1 << 30
+    spool_fsync: float = 1.0
+    export_queue: int = 10000
+    export_mode: str = "process"
     log_level: str = "INFO"
 
 

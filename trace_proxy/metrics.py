@@ -1,8 +1,17 @@
-"""Prometheus metrics of one proxy, in its own registry (no process-global state)."""
+"""Prometheus metrics of one proxy, in its own registry (no process-global state).
+
+`Metrics` belongs to the proxy process; `ExportMetrics` to whichever process exports (the
+proxy itself, or its export process, whose samples the proxy relays on its own /metrics).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 
 class Metrics:
@@ -105,6 +114,31 @@ class Metrics:
             "Exchanges waiting to be parsed",
             registry=r,
         )
+        self.spool_dropped = Counter(
+            "trace_proxy_spool_dropped",
+            "Records that never reached the spool, by reason (queue_full: the memory queue in "
+            "front of the spool was full; spool_error: the disk refused them)",
+            ["reason"],
+            registry=r,
+        )
+        self.spool_bytes = Gauge(
+            "trace_proxy_spool_bytes",
+            "Bytes of records on disk in the spool (exported by some backends, not all)",
+            registry=r,
+        )
+        self.export_process_restarts = Counter(
+            "trace_proxy_export_process_restarts",
+            "Times the export process ended unexpectedly and was started again",
+            registry=r,
+        )
+
+
+class ExportMetrics:
+    """Per-backend accounting of the exporters: exported, retried, dropped, backlog, health."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
         self.exported = Counter(
             "trace_proxy_exported_records",
             "Records exported, by backend",
@@ -150,7 +184,20 @@ class Metrics:
         )
         self.export_queue = Gauge(
             "trace_proxy_export_queue",
-            "Records waiting for a backend",
+            "Records in the spool a backend has not exported yet",
             ["backend"],
             registry=r,
         )
+
+
+class RelayedMetrics(Collector):
+    """Serves the latest samples another process sent (its registry in the text format)."""
+
+    def __init__(self) -> None:
+        self.text = ""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from text_string_to_metric_families(self.text)
+
+    def describe(self) -> list[Metric]:
+        return []  # names are not known in advance: never checked for duplicates

@@ -1,7 +1,8 @@
 """What a backend implements: convert records and push a batch; nothing else.
 
-Queueing, batching, retry, threading and accounting come from `pipeline.ExportPipeline`, which
-wraps every exporter the same way (the OpenTelemetry Collector's exporterhelper pattern).
+The spool, batching, retry, threading and accounting come from `pipeline.ExportPipeline` and
+`runner.ExportRunner`, which wrap every exporter the same way (the OpenTelemetry Collector's
+exporterhelper pattern).
 """
 
 from __future__ import annotations
@@ -20,11 +21,20 @@ class Processor(Protocol):
         """Mutate the records in place; blocking is fine (runs in its own thread)."""
 
 
+class ExportRejected(Exception):
+    """The backend refused these records for good: retrying would not help (they are dropped
+    and counted as `rejected`)."""
+
+
 class Exporter(Protocol):
+    """A backend. It may also define `exported_ids(records: list[Trajectory]) -> set[str]`: the
+    ids of those it already holds, asked after a crash about the batch that was in flight."""
+
     name: str
 
     def export(self, records: list[Record]) -> None:
-        """Push a batch; blocking is fine (runs in a worker thread); raise to request a retry."""
+        """Push a batch; blocking is fine (runs in a worker thread); raise to request a retry
+        (any exception), or ExportRejected when the records can never be accepted."""
 
     def close(self) -> None:
         """Make everything exported so far durable; called once, after the last export."""

@@ -18,7 +18,16 @@ import os
 from collections import OrderedDict
 from pathlib import Path
 
-from trace_proxy.trajectories.record import Annotation, Record, StepEvent, StepSummary, dumps
+import orjson
+
+from trace_proxy.trajectories.record import (
+    Annotation,
+    Record,
+    StepEvent,
+    StepSummary,
+    Trajectory,
+    dumps,
+)
 
 MAX_OPEN_FILES = 32
 
@@ -55,6 +64,24 @@ class JsonlExporter:
             lines.setdefault(record_path(self.output, record), []).append(dumps(record) + b"\n")
         for path, chunk in lines.items():
             _write_all(self._open(path), b"".join(chunk))  # whole lines, one write per file
+
+    def exported_ids(self, records: list[Trajectory]) -> set[str]:
+        """Which trajectories already have their line (asked after a crash, for one batch)."""
+        present = set()
+        by_path: dict[Path, list[Trajectory]] = {}
+        for record in records:
+            by_path.setdefault(record_path(self.output, record), []).append(record)
+        for path, group in by_path.items():
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            data = data[: data.rfind(b"\n") + 1]  # a torn last line is cut off on open
+            for record in group:  # a line starts with its id: `{"id":"...",`
+                line_start = b'{"id":' + orjson.dumps(record.id) + b","
+                if data.startswith(line_start) or b"\n" + line_start in data:
+                    present.add(record.id)
+        return present
 
     def close(self) -> None:
         while self._files:

@@ -1,171 +1,143 @@
-"""Gives every backend the same queue, worker thread, batching, retry and accounting.
+"""The proxy's side of exporting: never blocks, never loses a record without counting it.
 
-Records first pass the processors (token2text) in one thread of their own, once for all
-backends; then each exporter gets its own bounded queue and its own thread, so a slow or dead
-backend never slows the proxy or another backend. A record is exported, still queued, or
-counted as dropped with a reason (`queue_full`, `export_failed`); nothing disappears silently.
-A processor that fails leaves the record as it was and it is exported all the same.
+A closed trajectory goes into a bounded memory queue; a writer thread appends it to the durable
+spool (`spool.py`); the exporters read the spool, in this process (`ExportRunner`) or in an
+export process of their own (`process.py`), so export work never competes with forwarding for
+the interpreter. A record is dropped only when the memory queue is full while the spool cannot
+take more (counted in `trace_proxy_spool_dropped`), or when the spool's disk budget deletes it
+before a backend had it (counted per backend in `trace_proxy_export_dropped`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Protocol
 
-from trace_proxy.exporters.base import Exporter, Processor
+from trace_proxy.exporters.spool import SpoolFull, SpoolWriter
 from trace_proxy.metrics import Metrics
-from trace_proxy.trajectories.record import Record
+from trace_proxy.trajectories.record import Record, dumps
 
 log = logging.getLogger(__name__)
 
 
-class _Lane:
-    """One backend: its queue, its thread and its worker task."""
+class Exports(Protocol):
+    """Where the spool is read and exported: this process, or the export process."""
 
-    def __init__(self, exporter: Exporter, queue_size: int) -> None:
-        self.exporter = exporter
-        self.queue: asyncio.Queue[Record] = asyncio.Queue(maxsize=queue_size)
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"export-{exporter.name}")
-        self.task: asyncio.Task[None] | None = None
+    @property
+    def backends(self) -> list[str]: ...
+
+    async def start(self) -> None: ...
+
+    def notify(self, end: int) -> None: ...
+
+    async def flush(self, end: int) -> None: ...
+
+    async def close(self, timeout: float) -> None: ...
 
 
 class ExportPipeline:
     def __init__(
         self,
-        exporters: list[Exporter],
+        exports: Exports,
         metrics: Metrics,
+        spool: SpoolWriter,
         *,
-        processors: list[Processor] | None = None,
         queue_size: int = 10_000,
-        batch_size: int = 64,
-        max_attempts: int = 5,
-        backoff: float = 0.5,
+        batch_size: int = 256,
+        retry_backoff: float = 0.5,
     ) -> None:
+        self.exports = exports
+        self.spool = spool
         self._metrics = metrics
-        self._lanes = [_Lane(e, queue_size) for e in exporters]
-        self._processors = list(processors or [])
-        self._inbox: asyncio.Queue[Record] = asyncio.Queue(maxsize=queue_size)
-        self._process_thread = ThreadPoolExecutor(1, thread_name_prefix="export-process")
-        self._process_task: asyncio.Task[None] | None = None
+        self._queue: asyncio.Queue[Record] = asyncio.Queue(maxsize=queue_size)
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="spool-writer")
+        self._task: asyncio.Task[None] | None = None
         self._batch_size = batch_size
-        self._max_attempts = max_attempts
-        self._backoff = backoff
+        self._retry_backoff = retry_backoff
+        metrics.spool_bytes.set_function(lambda: spool.used_bytes)
 
     @property
     def backends(self) -> list[str]:
-        return [lane.exporter.name for lane in self._lanes]
+        return self.exports.backends
 
-    def add_processor(self, processor: Processor) -> None:
-        self._processors.append(processor)
+    @property
+    def spool_dir(self) -> Path:
+        return self.spool.directory
 
-    def start(self) -> None:
-        for lane in self._lanes:
-            self._metrics.backend_up.labels(lane.exporter.name).set(1)
-        loop = asyncio.get_running_loop()
-        self._process_task = loop.create_task(self._process())
-        for lane in self._lanes:
-            lane.task = loop.create_task(self._work(lane))
+    async def start(self) -> None:
+        await self.exports.start()
+        self.exports.notify(self.spool.next_seq)  # what an earlier run left is exported first
+        self._task = asyncio.get_running_loop().create_task(self._write())
 
     def submit(self, record: Record) -> None:
-        """Never blocks: a full queue drops the record, counted per backend."""
+        """Never blocks: when memory is full too, the record is dropped and counted."""
         try:
-            self._inbox.put_nowait(record)
+            self._queue.put_nowait(record)
         except asyncio.QueueFull:
-            for lane in self._lanes:
-                self._metrics.export_dropped.labels(lane.exporter.name, "queue_full").inc()
-            log.warning("processing queue is full: a record was dropped")
-
-    async def _process(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            batch = [await self._inbox.get()]
-            while len(batch) < self._batch_size and not self._inbox.empty():
-                batch.append(self._inbox.get_nowait())
-            try:
-                for processor in self._processors:
-                    try:
-                        await loop.run_in_executor(self._process_thread, processor.process, batch)
-                    except Exception:
-                        self._metrics.processing_errors.labels(processor.name).inc()
-                        log.exception("processor %s failed; exporting as is", processor.name)
-                for record in batch:
-                    self._fan_out(record)
-            finally:
-                for _ in batch:
-                    self._inbox.task_done()
-
-    def _fan_out(self, record: Record) -> None:
-        for lane in self._lanes:
-            name = lane.exporter.name
-            try:
-                lane.queue.put_nowait(record)
-            except asyncio.QueueFull:
-                self._metrics.export_dropped.labels(name, "queue_full").inc()
-                log.warning("export queue of %s is full: a record was dropped", name)
-            else:
-                self._metrics.export_queue.labels(name).set(lane.queue.qsize())
+            self._metrics.spool_dropped.labels("queue_full").inc()
+            log.warning("the spool is not keeping up and memory is full: a record was dropped")
 
     async def flush(self) -> None:
-        """Wait until everything submitted so far is exported or counted as dropped."""
-        await self._inbox.join()
-        await asyncio.gather(*(lane.queue.join() for lane in self._lanes))
+        """Wait until everything submitted so far is exported by every backend, or counted."""
+        await self._queue.join()
+        await self.exports.flush(self.spool.next_seq)
 
-    async def close(self) -> None:
-        await self.flush()
-        if self._process_task is not None:
-            self._process_task.cancel()
-        self._process_thread.shutdown(wait=True)
-        loop = asyncio.get_running_loop()
-        for lane in self._lanes:
-            if lane.task is not None:
-                lane.task.cancel()
-            try:
-                await loop.run_in_executor(lane.thread, lane.exporter.close)
-            except Exception:
-                log.exception("closing backend %s failed", lane.exporter.name)
-            lane.thread.shutdown(wait=True)
+    async def close(self, timeout: float = 30.0) -> None:
+        """Spool what is queued, give the backends `timeout` to catch up, then stop. Records a
+        backend has not exported by then stay in the spool and go out on the next start."""
+        try:
+            await asyncio.wait_for(self._queue.join(), timeout)
+        except TimeoutError:
+            left = self._queue.qsize()
+            self._metrics.spool_dropped.labels("spool_error").inc(left)
+            log.error("the spool could not take %d records before shutdown: dropped", left)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await asyncio.get_running_loop().run_in_executor(self._thread, self.spool.close)
+        self._thread.shutdown(wait=True)
+        await self.exports.close(timeout)
 
-    async def _work(self, lane: _Lane) -> None:
-        name = lane.exporter.name
+    async def _write(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            batch = [await lane.queue.get()]
-            while len(batch) < self._batch_size and not lane.queue.empty():
-                batch.append(lane.queue.get_nowait())
+            batch = [await self._queue.get()]
+            while len(batch) < self._batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
             try:
-                await self._export(loop, lane, batch)
+                end = await self._append(loop, batch)
+                if end is not None:
+                    self.exports.notify(end)
             finally:
                 for _ in batch:
-                    lane.queue.task_done()
-                self._metrics.export_queue.labels(name).set(lane.queue.qsize())
+                    self._queue.task_done()
 
-    async def _export(
-        self, loop: asyncio.AbstractEventLoop, lane: _Lane, batch: list[Record]
-    ) -> None:
-        name = lane.exporter.name
-        for attempt in range(1, self._max_attempts + 1):
+    async def _append(self, loop: asyncio.AbstractEventLoop, batch: list[Record]) -> int | None:
+        """Spool a batch, retrying while the disk refuses it (the queue keeps filling, then
+        drops). None when the batch could not be written at all."""
+        delay = self._retry_backoff
+        while True:
             try:
-                await loop.run_in_executor(lane.thread, lane.exporter.export, batch)
-            except Exception as exc:
-                if attempt == self._max_attempts:
-                    self._metrics.export_dropped.labels(name, "export_failed").inc(len(batch))
-                    log.error("backend %s failed %d times, %d records dropped: %s",
-                              name, attempt, len(batch), exc)  # fmt: skip
-                    return
-                self._metrics.export_retries.labels(name).inc()
-                self._metrics.backend_up.labels(name).set(0)
-                log.warning("backend %s failed (attempt %d): %s", name, attempt, exc)
-                await asyncio.sleep(self._backoff * 2 ** (attempt - 1))
-            else:
-                self._metrics.exported.labels(name).inc(len(batch))
-                self._metrics.backend_up.labels(name).set(1)
-                self._metrics.export_lag.labels(name).set(max(0.0, time.time() - _newest(batch)))
-                return
+                return await loop.run_in_executor(
+                    self._thread, _encode_and_append, self.spool, batch
+                )
+            except SpoolFull as exc:
+                self._metrics.spool_dropped.labels("spool_full").inc(len(batch))
+                log.error("%d records dropped: %s", len(batch), exc)
+                return None
+            except OSError as exc:
+                if self._queue.full():
+                    self._metrics.spool_dropped.labels("spool_error").inc(len(batch))
+                    log.error("the spool cannot be written and memory is full: %d records "
+                              "dropped: %s", len(batch), exc)  # fmt: skip
+                    return None
+                log.warning("the spool cannot be written (again in %.1f s): %s", delay, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
 
 
-def _newest(batch: list[Record]) -> float:
-    """When the newest record of a batch was complete (its end, or its time for events)."""
-    times = [getattr(r, "end", None) or getattr(r, "time", None) or 0.0 for r in batch]
-    return float(max(times, default=0.0))
+def _encode_and_append(spool: SpoolWriter, batch: list[Record]) -> int:
+    return spool.append([dumps(record) for record in batch])

@@ -22,11 +22,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
 from trace_proxy.capture.stage import CaptureStage
-from trace_proxy.config import Settings
+from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters import create_exporters
 from trace_proxy.exporters.base import Exporter
-from trace_proxy.exporters.pipeline import ExportPipeline
-from trace_proxy.metrics import Metrics
+from trace_proxy.exporters.pipeline import ExportPipeline, Exports
+from trace_proxy.exporters.process import ExportProcess
+from trace_proxy.exporters.runner import ExportRunner
+from trace_proxy.exporters.spool import SpoolWriter
+from trace_proxy.metrics import ExportMetrics, Metrics
 from trace_proxy.proxy.forward import Forwarder
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 from trace_proxy.trajectories.assembler import Assembler
@@ -53,11 +56,10 @@ class ProxyService:
             raise ValueError("at least one --upstream is required")
         self.settings = settings
         self.metrics = Metrics()
+        self._inline: ExportRunner | None = None
         self.pool = UpstreamPool(settings.upstream)
         self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
-        self.pipeline = ExportPipeline(
-            exporters if exporters is not None else create_exporters(settings), self.metrics
-        )
+        self.pipeline = self._export_pipeline(exporters)
         self.assembler = Assembler(
             self.pipeline.submit,
             project=settings.project,
@@ -92,26 +94,51 @@ class ProxyService:
             prefix: Upstream(url)
             for prefix, _, url in (route.partition("=") for route in settings.tool_route)
         }
-        self.token2text: Token2Text | None = None
-        self.tokenizer_discovery: asyncio.Task[None] | None = None  # ends once upstreams answered
+        self.token2text: Token2Text | None = None  # inline exporting only
+        self.tokenizer_discovery: asyncio.Future[None] | None = None  # once upstreams answered
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.addresses: Addresses | None = None
 
-    async def start(self) -> Addresses:
-        """Raises TokenizerError (a configured tokenizer cannot be loaded) or OSError (listen)."""
+    def _export_pipeline(self, exporters: list[Exporter] | None) -> ExportPipeline:
+        """Exporters given as objects (tests, embedding) run inline; else as configured."""
         settings = self.settings
-        if settings.token2text:
+        spool_dir = settings.spool_dir or settings.output / ".spool"
+        try:
+            spool = SpoolWriter(
+                spool_dir, max_bytes=settings.spool_max_bytes, fsync_interval=settings.spool_fsync
+            )
+        except OSError as exc:
+            raise ConfigError(f"invalid value for --spool-dir: {exc}") from None
+        exports: Exports
+        if exporters is None and settings.export_mode == "process":
+            exports = ExportProcess(settings, spool_dir, self.metrics)
+        else:
+            self._export_metrics = ExportMetrics(self.metrics.registry)
+            self._inline = ExportRunner(
+                spool_dir,
+                exporters if exporters is not None else create_exporters(settings),
+                self._export_metrics,
+            )
+            exports = self._inline
+        return ExportPipeline(exports, self.metrics, spool, queue_size=settings.export_queue)
+
+    async def start(self) -> Addresses:
+        """Raises TokenizerError (a configured tokenizer cannot be loaded), ConfigError (a
+        backend cannot start, in the export process) or OSError (listen)."""
+        settings = self.settings
+        if settings.token2text and self._inline is not None:
+            metrics = self._export_metrics
             tokenizers = await asyncio.to_thread(
                 load_configured, settings.tokenizer, settings.skip_special_tokens
             )
             self.token2text = Token2Text(
                 tokenizers,
                 get_parser(settings.tool_parser),
-                on_skip=lambda reason: self.metrics.token2text_skipped.labels(reason).inc(),
+                on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
             )
-            self.pipeline.add_processor(self.token2text)
+            self._inline.add_processor(self.token2text)
         connector = aiohttp.TCPConnector(
             limit=0, keepalive_timeout=60, ttl_dns_cache=300, enable_cleanup_closed=True
         )
@@ -143,7 +170,9 @@ class ProxyService:
                     settings.skip_special_tokens,
                 )
             )
-        self.pipeline.start()
+        await self.pipeline.start()
+        if isinstance(self.pipeline.exports, ExportProcess):
+            self.tokenizer_discovery = self.pipeline.exports.tokenizer_discovery
         self.capture.start()
         server = web.Server(
             forwarder.handle,
@@ -172,7 +201,7 @@ class ProxyService:
         if self._runner is not None:
             await self._runner.cleanup()  # stops accepting, then waits for in-flight requests
         await self.capture.stop()
-        await self.pipeline.close()
+        await self.pipeline.close(self.settings.shutdown_grace)
         if self._session is not None:
             await self._session.close()
         if self._admin_runner is not None:

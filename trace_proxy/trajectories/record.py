@@ -212,3 +212,46 @@ Record = Trajectory | StepEvent | StepSummary | Annotation
 def dumps(record: Record) -> bytes:
     """One JSON line (without the newline)."""
     return orjson.dumps(record)
+
+
+_RECORD_TYPES: dict[str, type] = {
+    "trajectory": Trajectory,
+    "event": StepEvent,
+    "step_summary": StepSummary,
+    "annotation": Annotation,
+}
+# The nested dataclass fields of each record type: (field, type, is a list of it).
+_NESTED: dict[type, tuple[tuple[str, type, bool], ...]] = {
+    Trajectory: (("key", RolloutKey, False), ("calls", GenerateCall, True),
+                 ("tools", ToolCall, True)),
+    GenerateCall: (("prompt", Prompt, False), ("outputs", Output, True),
+                   ("error", CallError, False)),
+    ToolCall: (("error", CallError, False),),
+    StepEvent: (("error", CallError, False),),
+}  # fmt: skip
+
+
+def _build(cls: type, data: dict[str, Any]) -> Any:
+    for name, nested, many in _NESTED.get(cls, ()):
+        value = data.get(name)
+        if value is None:
+            continue
+        data[name] = [_build(nested, item) for item in value] if many else _build(nested, value)
+    return cls(**data)
+
+
+def loads(line: bytes) -> Record:
+    """The record a `dumps` line holds (the spool's way back from bytes to dataclasses).
+
+    Raises ValueError for a line that is not a record of this schema.
+    """
+    data = orjson.loads(line)
+    kind = data.get("record") if isinstance(data, dict) else None
+    cls = _RECORD_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise ValueError(f"not a trace-proxy record: {str(kind)[:40]!r}")
+    try:
+        record: Record = _build(cls, data)
+    except TypeError as exc:
+        raise ValueError(f"a {kind} record of another schema: {exc}") from None
+    return record

@@ -1,0 +1,72 @@
+"""The export process: exporters run in a child process fed from the spool. Its metrics show on
+the proxy's /metrics, its start-up errors reach the command line, and when it dies another one
+takes over where it stopped, losing and duplicating nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from proxy_helpers import running_proxy, trajectories
+
+from trace_proxy.config import ConfigError
+from trace_proxy.exporters.process import ExportProcess
+
+
+async def rollouts(session: aiohttp.ClientSession, proxy: str, step: int, count: int) -> None:
+    for sample in range(count):
+        body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": f"q{sample}"}],
+                "max_tokens": 4}  # fmt: skip
+        headers = {"X-Rollout-Step": str(step), "X-Rollout-Sample-Index": str(sample),
+                   "X-Rollout-Done": "1"}  # fmt: skip
+        async with session.post(proxy + "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status == 200
+            await r.read()
+
+
+def keys(output: Path) -> list[tuple[int, int]]:
+    return sorted((t["key"]["step"], t["key"]["sample_index"]) for t in trajectories(output))
+
+
+async def test_records_go_out_through_the_export_process_and_it_is_replaced_when_it_dies(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    _, upstream = fake_vllm
+    async with (
+        running_proxy([upstream], tmp_path) as (service, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        exports = service.pipeline.exports
+        assert isinstance(exports, ExportProcess)
+        await rollouts(session, proxy, step=1, count=5)
+        await service.capture.drain()
+        await service.pipeline.flush()
+        assert keys(tmp_path) == [(1, i) for i in range(5)]
+        admin = service.addresses.admin if service.addresses else ""
+        async with session.get(admin + "/metrics") as response:
+            text = await response.text()
+        assert 'trace_proxy_exported_records_total{backend="jsonl"} 5.0' in text
+        assert os.getpid() != exports.pid
+
+        os.kill(exports.pid, signal.SIGKILL)
+        await rollouts(session, proxy, step=2, count=5)
+        await service.capture.drain()
+        await asyncio.wait_for(service.pipeline.flush(), 60)  # answered by the new process
+        restarts = service.metrics.registry.get_sample_value(
+            "trace_proxy_export_process_restarts_total"
+        )
+        assert restarts == 1
+    assert keys(tmp_path) == [(step, i) for step in (1, 2) for i in range(5)]  # once each
+
+
+async def test_a_backend_that_cannot_start_is_a_start_up_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"otlp cannot start: .* is not NAME=VALUE"):
+        async with running_proxy(
+            ["http://127.0.0.1:9"], tmp_path, backend=["otlp"], otlp_header=["no-value"]
+        ):
+            raise AssertionError("the proxy started with a backend that cannot")

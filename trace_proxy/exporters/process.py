@@ -1,0 +1,334 @@
+"""The export process: exporters and token2text run beside the proxy, not inside it.
+
+Backend SDKs (MLflow, Weave, trackio, OpenTelemetry) and token decoding are CPU work in Python;
+in the proxy's process they would hold the interpreter lock against forwarding. Here they run
+in a child process that reads the spool on its own; the proxy only tells it, over a socket
+pair, how far the spool goes, and asks it to flush and stop. The child sends back its metrics
+(the text format, relayed on the proxy's /metrics) and answers flushes. If it dies, the proxy
+starts another, which resumes from the backends' cursors: nothing spooled is lost.
+
+Messages are JSON lines: to the child `data` (the spool's end), `flush`, `stop`; from it
+`ready` or `error` (at start), `discovered` (token2text found the served tokenizers),
+`metrics`, `flushed`, `stopped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import pickle
+import signal
+import socket
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from prometheus_client import generate_latest
+
+from trace_proxy.config import ConfigError, Settings
+from trace_proxy.exporters.base import Exporter
+from trace_proxy.exporters.runner import ExportRunner
+from trace_proxy.metrics import ExportMetrics, Metrics, RelayedMetrics
+from trace_proxy.trajectories.discovery import discover_tokenizers
+from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
+from trace_proxy.trajectories.toolparsers import get_parser
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 300.0  # loading tokenizers and SDKs on a cold machine
+METRICS_EVERY = 1.0
+RESTART_DELAY = 1.0
+
+
+async def _create_runner(
+    settings: Settings, spool_dir: Path, metrics: ExportMetrics, exporters: list[Exporter]
+) -> tuple[ExportRunner, Token2Text | None]:
+    """The runner for these settings, with token2text when asked (TokenizerError if a
+    configured tokenizer cannot be loaded)."""
+    runner = ExportRunner(spool_dir, exporters, metrics)
+    token2text = None
+    if settings.token2text:
+        tokenizers = await asyncio.to_thread(
+            load_configured, settings.tokenizer, settings.skip_special_tokens
+        )
+        token2text = Token2Text(
+            tokenizers,
+            get_parser(settings.tool_parser),
+            on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
+        )
+        runner.add_processor(token2text)
+    return runner, token2text
+
+
+# --- the proxy's side ----------------------------------------------------------------------
+
+
+class ExportProcess:
+    """Starts, feeds, supervises and stops the export process."""
+
+    def __init__(self, settings: Settings, spool_dir: Path, metrics: Metrics) -> None:
+        self.settings = settings
+        self.spool_dir = spool_dir
+        self._metrics = metrics
+        self._relayed = RelayedMetrics()
+        metrics.registry.register(self._relayed)
+        self._backends = list(dict.fromkeys(settings.backend))
+        self._end = 0
+        self._ids = itertools.count()
+        self._flushes: dict[int, tuple[int, asyncio.Future[None]]] = {}
+        self._ready: asyncio.Future[None] | None = None
+        self._stopped: asyncio.Future[None] | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._process: Any = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._stopping = False
+        self.tokenizer_discovery: asyncio.Future[None] | None = None  # made in start()
+
+    @property
+    def backends(self) -> list[str]:
+        return self._backends
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self) -> None:
+        """Raises ConfigError or TokenizerError as the child reports them."""
+        self.tokenizer_discovery = asyncio.get_running_loop().create_future()
+        await self._spawn()
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    def notify(self, end: int) -> None:
+        if end > self._end:
+            self._end = end
+            self._send({"op": "data", "end": end})
+
+    async def flush(self, end: int) -> None:
+        self.notify(end)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        flush_id = next(self._ids)
+        self._flushes[flush_id] = (end, future)
+        self._send({"op": "flush", "id": flush_id, "end": end})
+        await future
+
+    async def close(self, timeout: float) -> None:
+        self._stopping = True
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        if self._writer is not None and self._stopped is not None and not self._stopped.done():
+            self._send({"op": "stop", "timeout": timeout})
+            with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
+                await asyncio.wait_for(asyncio.shield(self._stopped), timeout + 30)
+        await self._reap()
+
+    # --- the child's lifecycle ---
+
+    async def _spawn(self) -> None:
+        """A fresh interpreter (`python -m trace_proxy.exporters.process FD`), not a fork: the
+        proxy's threads, sockets and event loop are not inherited."""
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        payload = pickle.dumps((self.settings, self.spool_dir))
+        ours.sendall(struct.pack("!I", len(payload)) + payload)  # small: fits the socket buffer
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", __name__, str(theirs.fileno()), pass_fds=[theirs.fileno()]
+        )
+        theirs.close()
+        reader, self._writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
+        self._ready = loop.create_future()
+        self._stopped = loop.create_future()
+        listener = loop.create_task(self._listen(reader))
+        try:
+            await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT)
+        except BaseException:
+            listener.cancel()
+            await self._reap()
+            raise
+        self._send({"op": "data", "end": self._end})
+        for flush_id, (end, _) in self._flushes.items():  # asked of a child that died
+            self._send({"op": "flush", "id": flush_id, "end": end})
+
+    async def _supervise(self) -> None:
+        """Start the child again when it dies; the cursors make it resume where it was."""
+        while not self._stopping:
+            assert self._stopped is not None
+            await asyncio.shield(self._stopped)
+            if self._stopping:
+                return
+            log.error("the export process ended unexpectedly (exit code %s); starting another",
+                      self._process.returncode if self._process else None)  # fmt: skip
+            self._metrics.export_process_restarts.inc()
+            await self._reap()
+            await asyncio.sleep(RESTART_DELAY)
+            try:
+                await self._spawn()
+            except Exception:
+                log.exception("the export process cannot start again; records stay spooled")
+                return
+
+    async def _listen(self, reader: asyncio.StreamReader) -> None:
+        assert self._ready is not None and self._stopped is not None
+        ready, stopped = self._ready, self._stopped
+        try:
+            while line := await reader.readline():
+                message = orjson.loads(line)
+                op = message.get("op")
+                if op == "ready":
+                    ready.set_result(None)
+                elif op == "error":
+                    error = TokenizerError if message.get("kind") == "tokenizer" else ConfigError
+                    ready.set_exception(error(message["message"]))
+                    return
+                elif op == "metrics":
+                    self._relayed.text = message["text"]
+                elif op == "flushed":
+                    _, future = self._flushes.pop(message["id"], (0, None))
+                    if future is not None and not future.done():
+                        future.set_result(None)
+                elif op == "discovered":
+                    discovery = self.tokenizer_discovery
+                    if discovery is not None and not discovery.done():
+                        discovery.set_result(None)
+                elif op == "stopped":
+                    return
+        except (ConnectionError, orjson.JSONDecodeError) as exc:
+            log.error("lost the export process: %s", exc)
+        finally:
+            if not ready.done():
+                ready.set_exception(RuntimeError("the export process ended while starting"))
+            if not stopped.done():
+                stopped.set_result(None)
+
+    def _send(self, message: dict[str, Any]) -> None:
+        if self._writer is not None and not self._writer.is_closing():
+            self._writer.write(orjson.dumps(message) + b"\n")
+
+    async def _reap(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        process = self._process
+        if process is not None:
+            try:
+                await asyncio.wait_for(process.wait(), 10)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+
+
+# --- the child's side ----------------------------------------------------------------------
+
+
+def main(fd: int) -> None:
+    """Entry point of the export process: `fd` is its end of the socket pair."""
+    sock = socket.socket(fileno=fd)
+    settings, spool_dir = pickle.loads(_receive(sock))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when exporting stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trace_proxy").setLevel(settings.log_level)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        asyncio.run(_serve(settings, spool_dir, sock))
+    else:
+        uvloop.run(_serve(settings, spool_dir, sock))
+
+
+async def _serve(settings: Settings, spool_dir: Path, sock: socket.socket) -> None:
+    from trace_proxy.exporters import create_exporters
+
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+
+    def send(message: dict[str, Any]) -> None:
+        if not writer.is_closing():
+            writer.write(orjson.dumps(message) + b"\n")
+
+    metrics = ExportMetrics()
+    try:
+        exporters = create_exporters(settings)
+        runner, token2text = await _create_runner(settings, spool_dir, metrics, exporters)
+    except (ConfigError, TokenizerError) as exc:
+        send({"op": "error", "kind": "tokenizer" if isinstance(exc, TokenizerError) else "config",
+              "message": str(exc)})  # fmt: skip
+        await writer.drain()
+        writer.close()
+        return
+    await runner.start()
+    send({"op": "ready"})
+    loop = asyncio.get_running_loop()
+    tasks = {loop.create_task(_report(metrics, send))}
+    session = aiohttp.ClientSession()
+    if token2text is not None and token2text.tokenizers.empty:
+        tasks.add(loop.create_task(_discover(settings, session, token2text, send)))
+    else:
+        send({"op": "discovered"})
+    timeout = settings.shutdown_grace
+    try:
+        while line := await reader.readline():
+            message = orjson.loads(line)
+            op = message["op"]
+            if op == "data":
+                runner.notify(message["end"])
+            elif op == "flush":
+                tasks.add(loop.create_task(_flush(runner, metrics, message, send)))
+            elif op == "stop":
+                timeout = float(message["timeout"])
+                break
+    finally:  # asked to stop, or the proxy is gone: export what we can, then leave
+        for task in tasks:
+            task.cancel()
+        await runner.close(timeout)
+        await session.close()
+        send({"op": "metrics", "text": generate_latest(metrics.registry).decode()})
+        send({"op": "stopped"})
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+
+async def _flush(
+    runner: ExportRunner, metrics: ExportMetrics, message: dict[str, Any], send: Any
+) -> None:
+    await runner.flush(message["end"])
+    send({"op": "metrics", "text": generate_latest(metrics.registry).decode()})
+    send({"op": "flushed", "id": message["id"]})
+
+
+async def _report(metrics: ExportMetrics, send: Any) -> None:
+    last = ""
+    while True:
+        text = generate_latest(metrics.registry).decode()
+        if text != last:
+            send({"op": "metrics", "text": text})
+            last = text
+        await asyncio.sleep(METRICS_EVERY)
+
+
+async def _discover(
+    settings: Settings, session: aiohttp.ClientSession, token2text: Token2Text, send: Any
+) -> None:
+    await discover_tokenizers(
+        session, settings.upstream, token2text.tokenizers, settings.skip_special_tokens
+    )
+    send({"op": "discovered"})
+
+
+def _receive(sock: socket.socket) -> bytes:
+    """The length-prefixed start-up message (settings), read before the event loop starts."""
+    data = b""
+    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
+        chunk = sock.recv(1 << 16)
+        if not chunk:
+            raise SystemExit("the proxy went away before the export process started")
+        data += chunk
+    size = struct.unpack("!I", data[:4])[0]
+    return data[4 : 4 + size]
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))

@@ -1,0 +1,275 @@
+"""Exports the spool to every backend: the OpenTelemetry Collector's exporterhelper, for us.
+
+Each backend has a lane: its own thread, its own reader of the spool and its own cursor, so a
+slow or dead backend only falls behind on disk and never holds up another. A lane reads a
+batch, has the processors (token2text) enrich it — once for all lanes that read the same
+records, through a small shared cache — exports it, and moves its cursor past it.
+
+Failures: a backend that raises is retried with exponential backoff (capped), for as long as it
+takes; its records wait in the spool, within the spool's disk budget. A record a backend
+rejects for good (`ExportRejected`, or a conversion bug: TypeError, ValueError, KeyError,
+AttributeError) is dropped and counted (`rejected`), after its batch was retried record by
+record so the others still go out. Before a batch is exported its range is written to the
+cursor as pending; after a crash, a backend that can tell (`exported_ids`) skips the records of
+that range it already has, so a replay does not duplicate them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from trace_proxy.exporters.base import Exporter, ExportRejected, Processor
+from trace_proxy.exporters.spool import Cursor, CursorState, SpoolReader, release
+from trace_proxy.metrics import ExportMetrics
+from trace_proxy.trajectories.record import Record, Trajectory, loads
+
+log = logging.getLogger(__name__)
+
+PERMANENT = (ExportRejected, TypeError, ValueError, KeyError, AttributeError)
+Numbered = list[tuple[int, Record]]
+
+
+class _Lane:
+    """One backend: its thread, reader, cursor and position."""
+
+    def __init__(self, exporter: Exporter, directory: Path) -> None:
+        self.exporter = exporter
+        self.name = exporter.name
+        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"export-{exporter.name}")
+        self.reader = SpoolReader(directory)
+        self.cursor = Cursor(directory, exporter.name)
+        state = self.cursor.load()
+        self.next = state.next
+        self.replay_until = state.pending  # a crash may have left these exported already
+        self.wake = asyncio.Event()
+        self.task: asyncio.Task[None] | None = None
+
+
+class _Processed:
+    """Records read and enriched once, shared by lanes reading the same part of the spool."""
+
+    def __init__(self, processors: list[Processor], metrics: ExportMetrics, size: int) -> None:
+        self.processors = processors
+        self._metrics = metrics
+        self._size = size
+        self._records: OrderedDict[int, Record] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, batch: list[tuple[int, bytes]]) -> tuple[Numbered, int]:
+        """The batch as records (processed), and how many lines were not records."""
+        with self._lock:
+            fresh: Numbered = []
+            bad = 0
+            for seq, payload in batch:
+                if seq in self._records:
+                    continue
+                try:
+                    fresh.append((seq, loads(payload)))
+                except ValueError:
+                    bad += 1
+            self._process([record for _, record in fresh])
+            for seq, record in fresh:
+                self._records[seq] = record
+            found = [(seq, self._records[seq]) for seq, _ in batch if seq in self._records]
+            while len(self._records) > self._size:
+                self._records.popitem(last=False)
+            return found, bad
+
+    def _process(self, records: list[Record]) -> None:
+        if not records:
+            return
+        for processor in self.processors:
+            try:
+                processor.process(records)
+            except Exception:
+                self._metrics.processing_errors.labels(processor.name).inc()
+                log.exception("processor %s failed; exporting as is", processor.name)
+
+
+class ExportRunner:
+    def __init__(
+        self,
+        directory: Path,
+        exporters: list[Exporter],
+        metrics: ExportMetrics,
+        *,
+        processors: list[Processor] | None = None,
+        batch_size: int = 64,
+        backoff: float = 0.5,
+        max_backoff: float = 30.0,
+    ) -> None:
+        self.directory = Path(directory)
+        self._metrics = metrics
+        self._lanes = [_Lane(e, self.directory) for e in exporters]
+        self._batch_size = batch_size
+        self._processed = _Processed(
+            list(processors or []), metrics, size=4 * batch_size * max(1, len(self._lanes))
+        )
+        self._backoff = backoff
+        self._max_backoff = max_backoff
+        self._end = 0  # the spool's end, as last notified
+        self._progress = asyncio.Condition()
+        self._closing = asyncio.Event()
+
+    @property
+    def backends(self) -> list[str]:
+        return [lane.name for lane in self._lanes]
+
+    def add_processor(self, processor: Processor) -> None:
+        self._processed.processors.append(processor)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for lane in self._lanes:
+            self._metrics.backend_up.labels(lane.name).set(1)
+            lane.task = loop.create_task(self._run(lane))
+
+    def notify(self, end: int) -> None:
+        """New records were spooled up to (not including) `end`."""
+        self._end = max(self._end, end)
+        for lane in self._lanes:
+            self._metrics.export_queue.labels(lane.name).set(max(0, self._end - lane.next))
+            lane.wake.set()
+
+    async def flush(self, end: int | None = None) -> None:
+        """Wait until every backend has exported (or counted) every record before `end`."""
+        target = self._end if end is None else end
+        self.notify(target)
+        async with self._progress:
+            await self._progress.wait_for(lambda: all(ln.next >= target for ln in self._lanes))
+
+    async def close(self, timeout: float) -> None:
+        """Export what is spooled within `timeout`; what is left stays in the spool for the next
+        start. Then close every backend."""
+        try:
+            await asyncio.wait_for(self.flush(), timeout)
+        except TimeoutError:
+            behind = {ln.name: self._end - ln.next for ln in self._lanes if ln.next < self._end}
+            log.warning("records left in the spool for the next start: %s", behind)
+        self._closing.set()
+        loop = asyncio.get_running_loop()
+        for lane in self._lanes:
+            if lane.task is not None:
+                lane.task.cancel()
+                await asyncio.wait([lane.task], timeout=max(timeout, 1.0))
+            try:  # waits for an export still running in the thread, up to a limit
+                await asyncio.wait_for(
+                    loop.run_in_executor(lane.thread, lane.exporter.close), max(timeout, 1.0)
+                )
+            except TimeoutError:
+                log.error("backend %s did not close in time", lane.name)
+            except Exception:
+                log.exception("closing backend %s failed", lane.name)
+            lane.reader.close()
+            lane.thread.shutdown(wait=False)
+
+    # --- one lane ---
+
+    async def _run(self, lane: _Lane) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closing.is_set():
+            lane.wake.clear()  # before reading: a record spooled meanwhile wakes us again
+            batch = await loop.run_in_executor(
+                lane.thread, lane.reader.read, lane.next, self._batch_size
+            )
+            if batch.next == lane.next:
+                # Look again after a while anyway: the spool is the truth, notices are hints.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(lane.wake.wait(), 1.0)
+                continue
+            dropped = self._metrics.export_dropped
+            if batch.missing:
+                dropped.labels(lane.name, "spool_full").inc(batch.missing)
+            if batch.corrupt:
+                dropped.labels(lane.name, "spool_corrupt").inc(batch.corrupt)
+            records, bad = await loop.run_in_executor(
+                lane.thread, self._processed.get, batch.records
+            )
+            if bad:
+                dropped.labels(lane.name, "spool_corrupt").inc(bad)
+            if records:
+                await self._deliver(lane, records, batch.next)
+            await self._advance(lane, batch.next)
+
+    async def _deliver(self, lane: _Lane, records: Numbered, end: int) -> None:
+        loop = asyncio.get_running_loop()
+        if lane.replay_until is not None and records[0][0] < lane.replay_until:
+            records = await loop.run_in_executor(lane.thread, _not_yet_exported, lane, records)
+        lane.replay_until = None
+        if not records:
+            return
+        await loop.run_in_executor(lane.thread, lane.cursor.save, CursorState(lane.next, end))
+        await self._export(lane, [record for _, record in records])
+
+    async def _advance(self, lane: _Lane, end: int) -> None:
+        loop = asyncio.get_running_loop()
+        lane.next = end
+        await loop.run_in_executor(lane.thread, self._commit, lane)
+        self._metrics.export_queue.labels(lane.name).set(max(0, self._end - lane.next))
+        async with self._progress:
+            self._progress.notify_all()
+
+    def _commit(self, lane: _Lane) -> None:
+        lane.cursor.save(CursorState(lane.next))
+        release(self.directory, self.backends)
+
+    async def _export(self, lane: _Lane, records: list[Record]) -> None:
+        loop = asyncio.get_running_loop()
+        name = lane.name
+        attempt = 0
+        while True:
+            try:
+                await loop.run_in_executor(lane.thread, lane.exporter.export, records)
+            except PERMANENT as exc:
+                if len(records) > 1:  # find the records at fault; the others go out
+                    for record in records:
+                        await self._export(lane, [record])
+                    return
+                self._metrics.export_dropped.labels(name, "rejected").inc()
+                log.error("backend %s rejected a record for good, dropped: %r", name, exc)
+                return
+            except Exception as exc:
+                attempt += 1
+                self._metrics.export_retries.labels(name).inc()
+                self._metrics.backend_up.labels(name).set(0)
+                delay = min(self._max_backoff, self._backoff * 2 ** (attempt - 1))
+                log.warning("backend %s failed (attempt %d, again in %.1f s): %s",
+                            name, attempt, delay, exc)  # fmt: skip
+                await asyncio.sleep(delay)
+            else:
+                self._metrics.exported.labels(name).inc(len(records))
+                self._metrics.backend_up.labels(name).set(1)
+                self._metrics.export_lag.labels(name).set(max(0.0, time.time() - _newest(records)))
+                return
+
+
+def _not_yet_exported(lane: _Lane, records: Numbered) -> Numbered:
+    """After a crash: drop the records of the pending range that the backend already has."""
+    check = getattr(lane.exporter, "exported_ids", None)
+    until = lane.replay_until or 0
+    pending = [r for seq, r in records if seq < until and isinstance(r, Trajectory)]
+    if check is None or not pending:
+        return records
+    try:
+        present = check(pending)
+    except Exception:
+        log.exception("backend %s cannot tell what it already has; replaying", lane.name)
+        return records
+    return [
+        (seq, r)
+        for seq, r in records
+        if not (seq < until and isinstance(r, Trajectory) and r.id in present)
+    ]
+
+
+def _newest(batch: list[Record]) -> float:
+    """When the newest record of a batch was complete (its end, or its time for events)."""
+    times = [getattr(r, "end", None) or getattr(r, "time", None) or 0.0 for r in batch]
+    return float(max(times, default=0.0))

@@ -1,0 +1,393 @@
+"""The durable spool between the proxy and its exporters: records wait on disk, not in memory.
+
+Layout of the spool directory (default `<output>/.spool`):
+    00000000000000000042.seg   records from sequence number 42 on, one framed line each:
+                               b"<seq> <crc32 of json, 8 hex> <json>\\n"
+    <backend>.cursor           {"next": N, "pending": M}: the backend has exported every record
+                               before N; records N..M-1 were being exported when it was written
+
+Only the proxy appends; each backend reads at its own cursor, so a slow or dead backend only
+falls behind on disk. A segment is deleted once every backend's cursor has passed it. When the
+spool would grow past its disk budget, its oldest segments are deleted even so: the backends
+still behind them find the gap in sequence numbers and count those records as dropped
+(`spool_full`). Sequence numbers are the records' stable ids: a restart resumes at the same
+numbers, so a backend replays exactly what it had not acknowledged. Lines are written whole by
+one `write` each batch and fsync'd at most every `fsync_interval` seconds (a process crash
+loses nothing written; a power loss loses at most that interval). A torn tail left by a crash
+is cut off when the spool is reopened; a line whose checksum does not match is skipped and
+counted (`spool_corrupt`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import itertools
+import os
+import time
+import zlib
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import orjson
+
+SEGMENT_SUFFIX = ".seg"
+CURSOR_SUFFIX = ".cursor"
+
+
+class SpoolBusy(OSError):
+    """Another process is writing this spool directory."""
+
+
+class SpoolFull(Exception):
+    """The disk budget cannot hold the batch even with every older segment deleted."""
+
+
+def frame(seq: int, payload: bytes) -> bytes:
+    return b"%d %08x %s\n" % (seq, zlib.crc32(payload), payload)
+
+
+def unframe(line: bytes) -> tuple[int, bytes] | None:
+    """(seq, payload) of a complete line (without its newline); None if it is damaged."""
+    parts = line.split(b" ", 2)
+    if len(parts) != 3 or len(parts[1]) != 8:
+        return None
+    try:
+        seq, crc = int(parts[0]), int(parts[1], 16)
+    except ValueError:
+        return None
+    if zlib.crc32(parts[2]) != crc:
+        return None
+    return seq, parts[2]
+
+
+def segments(directory: Path) -> list[tuple[int, Path]]:
+    """(first seq, path) of every segment, oldest first."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            name = entry.name
+            if name.endswith(SEGMENT_SUFFIX) and name[: -len(SEGMENT_SUFFIX)].isdigit():
+                found.append((int(name[: -len(SEGMENT_SUFFIX)]), Path(entry.path)))
+    found.sort()
+    return found
+
+
+def segment_name(first_seq: int) -> str:
+    return f"{first_seq:020d}{SEGMENT_SUFFIX}"
+
+
+# --- cursors ---------------------------------------------------------------------------------
+
+
+@dataclass
+class CursorState:
+    next: int = 0  # every record before this one is exported
+    pending: int | None = None  # records next..pending-1 may have been exported (a crash)
+
+
+class Cursor:
+    """One backend's position, replaced atomically (write to a temporary file, then rename)."""
+
+    def __init__(self, directory: Path, backend: str) -> None:
+        self.path = directory / f"{backend}{CURSOR_SUFFIX}"
+
+    def load(self) -> CursorState:
+        try:
+            data = orjson.loads(self.path.read_bytes())
+            return CursorState(int(data["next"]), data.get("pending"))
+        except (FileNotFoundError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            return CursorState()
+
+    def save(self, state: CursorState) -> None:
+        temporary = self.path.with_suffix(".tmp")
+        temporary.write_bytes(orjson.dumps({"next": state.next, "pending": state.pending}))
+        os.replace(temporary, self.path)
+
+
+def cursors(directory: Path) -> dict[str, CursorState]:
+    found = {}
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(directory):
+            if entry.name.endswith(CURSOR_SUFFIX):
+                backend = entry.name[: -len(CURSOR_SUFFIX)]
+                found[backend] = Cursor(directory, backend).load()
+    return found
+
+
+def release(directory: Path, backends: Iterable[str]) -> int:
+    """Delete the segments every named backend has passed; returns the bytes freed."""
+    states = cursors(directory)
+    positions = [states.get(name, CursorState()).next for name in backends]
+    if not positions:
+        return 0
+    done = min(positions)
+    found = segments(directory)
+    freed = 0
+    # A segment ends where the next one starts; the newest one is still being written.
+    for (_, path), (next_first, _) in itertools.pairwise(found):
+        if next_first > done:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            freed += path.stat().st_size
+            path.unlink()
+    return freed
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+
+class SpoolWriter:
+    """Appends framed records; the only writer of a spool directory (one proxy process)."""
+
+    def __init__(
+        self,
+        directory: Path,
+        *,
+        max_bytes: int,
+        segment_bytes: int | None = None,
+        fsync_interval: float = 1.0,
+    ) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._lock = os.open(self.directory / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock)
+            raise SpoolBusy(f"{self.directory} is the spool of another running trace-proxy "
+                            "(give each proxy its own --spool-dir)") from None  # fmt: skip
+        self.max_bytes = max_bytes
+        self.segment_bytes = segment_bytes or max(1 << 16, min(64 << 20, max_bytes // 16))
+        self.fsync_interval = fsync_interval
+        self._fd: int | None = None
+        self._size = 0  # bytes in the active segment
+        self._synced = time.monotonic()
+        self.next_seq = self._recover()
+
+    def _recover(self) -> int:
+        """Cut a torn tail and find where numbering resumes (never behind any cursor)."""
+        after_cursors = max((c.next for c in cursors(self.directory).values()), default=0)
+        found = segments(self.directory)
+        if not found:
+            return after_cursors
+        first, path = found[-1]
+        data = path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            with open(path, "r+b") as file:
+                file.truncate(end)
+        next_seq = first
+        for line in data[:end].split(b"\n")[:-1]:
+            parsed = unframe(line)
+            if parsed is not None:
+                next_seq = parsed[0] + 1
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+        self._size = end
+        return max(next_seq, after_cursors)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(_size(path) for _, path in segments(self.directory))
+
+    def append(self, payloads: list[bytes]) -> int:
+        """Write the records as the next sequence numbers; returns the first one after them.
+
+        Raises SpoolFull (the batch alone exceeds the budget) or OSError (the disk refused);
+        either way nothing of the batch was numbered.
+        """
+        if not payloads:
+            return self.next_seq
+        seq = self.next_seq
+        data = b"".join(frame(seq + i, payload) for i, payload in enumerate(payloads))
+        self._make_room(len(data))
+        if self._fd is None or self._size >= self.segment_bytes:
+            self._rotate(seq)
+        assert self._fd is not None
+        _write_all(self._fd, data)
+        self._size += len(data)
+        self.next_seq = seq + len(payloads)
+        if time.monotonic() - self._synced >= self.fsync_interval:
+            self.sync()
+        return self.next_seq
+
+    def sync(self) -> None:
+        if self._fd is not None:
+            os.fsync(self._fd)
+        self._synced = time.monotonic()
+
+    def close(self) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+            self._fd = None
+        if self._lock >= 0:
+            os.close(self._lock)  # releases the lock
+            self._lock = -1
+
+    def _rotate(self, first_seq: int) -> None:
+        if self._fd is not None:
+            self.sync()
+            os.close(self._fd)
+        path = self.directory / segment_name(first_seq)
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._size = 0
+
+    def _make_room(self, incoming: int) -> None:
+        """Delete the oldest segments (finished ones first) until the batch fits the budget."""
+        found = segments(self.directory)
+        used = sum(_size(path) for _, path in found)
+        if used + incoming <= self.max_bytes:
+            return
+        for _, path in found[:-1]:
+            used -= _size(path)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            if used + incoming <= self.max_bytes:
+                return
+        if incoming > self.max_bytes:
+            raise SpoolFull(f"a batch of {incoming} bytes exceeds the spool's budget")
+        # Only the active segment is left and it is too full: start a new one, drop the old.
+        if found:
+            self._rotate(self.next_seq)
+            with contextlib.suppress(FileNotFoundError):
+                found[-1][1].unlink()
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    records: list[tuple[int, bytes]]  # (seq, payload)
+    next: int  # where the next read starts
+    missing: int = 0  # records deleted by the budget before they were read (spool_full)
+    corrupt: int = 0  # damaged lines skipped (spool_corrupt)
+
+
+class SpoolReader:
+    """Reads records in sequence order from any position; one per backend."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        self._handle: _Segment | None = None
+        self._damaged = False
+
+    def read(self, start: int, limit: int, end: int | None = None) -> Batch:
+        """Up to `limit` complete records from `start` on (before `end` if given)."""
+        batch = Batch([], start)
+        self._damaged = False
+        while len(batch.records) < limit and (end is None or batch.next < end):
+            handle = self._segment_for(batch)
+            if handle is None:
+                break
+            line = handle.readline()
+            if line is None:  # the end of what was written to this segment so far
+                if not self._advance(handle, batch):
+                    break
+                continue
+            parsed = unframe(line)
+            if parsed is None:
+                self._damaged = True  # counted by the gap it leaves in the numbering
+                continue
+            seq, payload = parsed
+            if seq < batch.next:
+                continue  # before the start position
+            if seq > batch.next:
+                self._skip(batch, seq)
+            batch.records.append((seq, payload))
+            batch.next = seq + 1
+        return batch
+
+    def _skip(self, batch: Batch, to: int) -> None:
+        """Records before `to` are gone: damaged lines, or deleted by the budget."""
+        if self._damaged:
+            batch.corrupt += to - batch.next
+        else:
+            batch.missing += to - batch.next
+        self._damaged = False
+        batch.next = to
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+    def _segment_for(self, batch: Batch) -> _Segment | None:
+        handle = self._handle
+        if handle is not None and handle.first <= batch.next and handle.position_seq <= batch.next:
+            return handle
+        self.close()
+        found = segments(self.directory)
+        chosen = None
+        for first, path in found:
+            if first <= batch.next:
+                chosen = (first, path)
+            else:
+                break
+        if chosen is None:
+            if not found:
+                return None
+            self._skip(batch, found[0][0])  # deleted before this backend read them
+            chosen = found[0]
+        try:
+            self._handle = _Segment(*chosen)
+        except FileNotFoundError:
+            return None
+        return self._handle
+
+    def _advance(self, handle: _Segment, batch: Batch) -> bool:
+        """At the end of a segment: move on when a newer one exists (the writer rotated)."""
+        newer = [first for first, _ in segments(self.directory) if first > handle.first]
+        if not newer or handle.readline_pending():
+            return False
+        if newer[0] > batch.next:
+            self._skip(batch, newer[0])
+        self.close()
+        return True
+
+
+class _Segment:
+    """An open segment, read line by line; a line without its newline is not complete yet."""
+
+    def __init__(self, first: int, path: Path) -> None:
+        self.first = first
+        self.position_seq = first
+        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
+        self._partial = b""
+
+    def readline(self) -> bytes | None:
+        line = self._file.readline()
+        if not line:
+            return None
+        if not line.endswith(b"\n"):
+            self._partial = line
+            self._file.seek(-len(line), os.SEEK_CUR)
+            return None
+        self._partial = b""
+        parsed_seq = line.split(b" ", 1)[0]
+        if parsed_seq.isdigit():
+            self.position_seq = int(parsed_seq)
+        return line[:-1]
+
+    def readline_pending(self) -> bool:
+        """A line was being written when we reached the end: wait for the rest of it."""
+        return bool(self._partial)
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
