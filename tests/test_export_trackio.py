@@ -441,9 +441,11 @@ def test_a_re_rendered_token_conversation_and_a_failed_call(
 
     exporter = TrackioExporter(project, trackio_dir)
     exporter.export([trajectory, failed])
+    # In the database when export() returns: the spool's cursor moves past them right after.
+    by_id = {t["metadata"]["record_id"]: t for t in traces(project, "e", step=4)}
+    assert set(by_id) == {"rerendered", "failed"}
     exporter.close()
 
-    by_id = {t["metadata"]["record_id"]: t for t in traces(project, "e", step=4)}
     messages = by_id["rerendered"]["messages"]
     last = qwen_tokenizer.decode(calls[1].prompt.token_ids)
     assert messages[0] == {"role": "user", "content": last}

@@ -302,6 +302,9 @@ OPTIONS: tuple[Option, ...] = (
            metavar="RUN", commands=("serve", "demo")),
     Option("trackio_dir", Path, None, "where the trackio backend keeps its database (default: "
            "TRACKIO_DIR, else trackio's own default)", metavar="DIR", commands=("serve", "demo")),
+    Option("weave_entity", parse_str, None, "W&B entity the weave backend logs to, in the Weave "
+           "project named by --project (default: WANDB_ENTITY; the key is WANDB_API_KEY)",
+           metavar="ENTITY", commands=("serve", "demo")),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
            "are counted as dropped", metavar="N"),
     Option("spool_dir", Path, None, "where closed trajectories wait on disk until every backend "
@@ -357,6 +360,7 @@ class Settings:
     mlflow_tracking_uri: str | None = None
     mlflow_run: str | None = None
     trackio_dir: Path | None = None
+    weave_entity: str | None = None
     capture_queue: int = 10000
     spool_dir: Path | None = None
     spool_max_bytes: int = 1 << 30

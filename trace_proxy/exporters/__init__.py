@@ -34,11 +34,18 @@ def _mlflow(settings: Settings) -> Exporter:
     return create(settings)
 
 
+def _weave(settings: Settings) -> Exporter:
+    from trace_proxy.exporters.weave import create
+
+    return create(settings)
+
+
 BACKENDS: dict[str, ExporterFactory] = {
     "jsonl": _jsonl,
     "trackio": _trackio,
     "otlp": _otlp,
     "mlflow": _mlflow,
+    "weave": _weave,
 }
 
 

@@ -2,7 +2,8 @@
 
 Backend SDKs (MLflow, Weave, trackio, OpenTelemetry) and token decoding are CPU work in Python;
 in the proxy's process they would hold the interpreter lock against forwarding. Here they run
-in a child process that reads the spool on its own; the proxy only tells it, over a socket
+in a child process (under SCHED_IDLE, so that on a busy machine exporting lags rather than
+forwarding) that reads the spool on its own; the proxy only tells it, over a socket
 pair, how far the spool goes, and asks it to flush and stop. The child sends back its metrics
 (the text format, relayed on the proxy's /metrics) and answers flushes. If it dies, the proxy
 starts another, which resumes from the backends' cursors: nothing spooled is lost.
@@ -18,6 +19,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 import pickle
 import signal
 import socket
@@ -43,6 +45,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 300.0  # loading tokenizers and SDKs on a cold machine
 METRICS_EVERY = 1.0
 RESTART_DELAY = 1.0
+EXPORT_NICENESS = 19  # where SCHED_IDLE is not available
 
 
 async def _create_runner(
@@ -229,6 +232,7 @@ def main(fd: int) -> None:
     settings, spool_dir = pickle.loads(_receive(sock))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when exporting stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _yield_cpu()
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("trace_proxy").setLevel(settings.log_level)
     try:
@@ -316,6 +320,16 @@ async def _discover(
         session, settings.upstream, token2text.tokenizers, settings.skip_special_tokens
     )
     send({"op": "discovered"})
+
+
+def _yield_cpu() -> None:
+    """Run only on CPU time nothing else wants (Linux SCHED_IDLE, inherited by every thread
+    made after this), else at the lowest priority: exporting may lag, forwarding may not."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        with contextlib.suppress(OSError):
+            os.nice(EXPORT_NICENESS)
 
 
 def _receive(sock: socket.socket) -> bytes:

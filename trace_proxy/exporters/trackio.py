@@ -30,8 +30,9 @@ step, with the conversation, the execution tree and the metadata (reward, key, t
   exported to trackio.
 
 trackio writes in a background thread of each run (every 0.5 s) and only warns when a write
-fails, so an export never raises for storage errors; `close()` waits for the writes (trackio
-gives each run up to 30 s).
+fails, so an export never raises for storage errors; `export()` writes the batch itself before
+it returns (`_persist`), so the spool's cursor never moves past a trace still in memory;
+`close()` finishes the runs.
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ class TrackioExporter:
             self._run(*where)
         for where, step, name, trace in logged:
             self._runs[where].log({name: trace}, step=step)
+        for where in dict.fromkeys(where for where, *_ in logged):
+            _persist(self._runs[where])
 
     def close(self) -> None:
         runs, self._runs = self._runs, {}
@@ -555,6 +558,17 @@ def annotation_metadata(data: JSON) -> JSON:
         "labels": data.get("labels"),
         "time": iso(data.get("time")),
     }
+
+
+def _persist(run: Any) -> None:
+    """Write what the run has queued now, as its writer thread would (trackio 0.43 internals:
+    `_client_lock`, `_flush_queues_inline`), so that a record counts as exported only once it
+    is in the database: the spool's cursor moves past it right after. Without those
+    internals, trackio's thread writes it within 0.5 s."""
+    lock, flush = getattr(run, "_client_lock", None), getattr(run, "_flush_queues_inline", None)
+    if lock is not None and flush is not None:
+        with lock:
+            flush()
 
 
 def _record_id(record: Record) -> str:
