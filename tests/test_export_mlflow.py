@@ -10,7 +10,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
+import importlib.util
 import os
+import re
+import shutil
+import socket
+from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,12 +24,15 @@ from typing import Any
 import aiohttp
 import pytest
 from fakes import FakeVLLM
+from fakes.mlflow_server import EXPERIMENT_HEADER, FakeMlflowServer, OtlpExport, ReceivedSpan
 from proxy_helpers import trajectories
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 mlflow = pytest.importorskip("mlflow")
 
 from mlflow import MlflowClient  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.store.tracking.rest_store import RestStore  # noqa: E402
 
 from trace_proxy.client import post_reward  # noqa: E402
 from trace_proxy.config import Settings  # noqa: E402
@@ -349,3 +358,504 @@ def test_create_defaults_to_sqlite_under_the_output(
     assert create(settings).tracking_uri == "http://mlflow:5000"
     settings.mlflow_tracking_uri = "sqlite:////data/m.db"
     assert create(settings).tracking_uri == "sqlite:////data/m.db"
+
+
+# --- the http(s) path: MLflow's REST client and OTLP, against a tracking server ----------------
+#
+# A fake server (tests/fakes/mlflow_server.py) that records what MLflow's own client sends, and
+# the same export against a real `mlflow server` where the full package is installed.
+
+GET_BY_NAME = "GET /api/2.0/mlflow/experiments/get-by-name"
+CREATE_EXPERIMENT = "POST /api/2.0/mlflow/experiments/create"
+GET_RUN = "GET /api/2.0/mlflow/runs/get"
+SEARCH_RUNS = "POST /api/2.0/mlflow/runs/search"
+CREATE_RUN = "POST /api/2.0/mlflow/runs/create"
+UPDATE_RUN = "POST /api/2.0/mlflow/runs/update"
+LOG_BATCH = "POST /api/2.0/mlflow/runs/log-batch"
+LINK = "POST /api/2.0/mlflow/traces/link-to-run"
+TRACE_INFO = "GET /api/3.0/mlflow/traces/{id}"
+SET_TAG = "PATCH /api/2.0/mlflow/traces/{id}/tags"
+VERSION = "GET /version"
+SPANS = "POST /v1/traces"
+TAG = "mlflow.traceTag."
+
+
+@pytest.fixture
+async def mlflow_server() -> AsyncIterator[tuple[FakeMlflowServer, str]]:
+    """A fresh fake MLflow tracking server. MLflow caches each server's version (its lru_cache
+    on `RestStore._get_server_version`, keyed by the URL) for the process: forgotten here, so
+    a fake on the port of an earlier one is asked again, as a new server would be."""
+    RestStore._get_server_version.cache_clear()
+    fake = FakeMlflowServer()
+    async with fake.serve() as url:
+        yield fake, url
+
+
+def calls(fake: FakeMlflowServer) -> list[tuple[str, int]]:
+    """Every request as ("METHOD route", status answered), trace ids shown as {id}."""
+    return [
+        (re.sub(r"tr-[0-9a-f]{32}", "{id}", f"{r.method} {r.path}"), r.status)
+        for r in fake.requests
+    ]
+
+
+def bodies(fake: FakeMlflowServer, route: str) -> list[Any]:
+    return [r.body for r in fake.requests if f"{r.method} {r.path}" == route]
+
+
+def wire_traces(fake: FakeMlflowServer) -> dict[str, list[ReceivedSpan]]:
+    """The spans the server holds, by MLflow trace id: the root, then the rest by start time."""
+    traces: dict[str, list[ReceivedSpan]] = {}
+    for span in fake.spans.values():
+        traces.setdefault(span.mlflow_trace_id, []).append(span)
+    for spans in traces.values():
+        spans.sort(key=lambda s: (s.parent_span_id is not None, s.start_time_unix_nano))
+    return traces
+
+
+def root_tags(root: ReceivedSpan) -> dict[str, Any]:
+    return {k.removeprefix(TAG): v for k, v in root.attributes.items() if k.startswith(TAG)}
+
+
+def assert_linked_after_sent(fake: FakeMlflowServer) -> None:
+    """Each link-to-run names only traces whose spans the server already accepted."""
+    sent: set[str] = set()
+    for request in fake.requests:
+        if isinstance(request.body, OtlpExport):
+            sent.update(span.mlflow_trace_id for span in request.body.spans)
+        elif f"{request.method} {request.path}" == LINK and request.status == 200:
+            assert set(request.body["trace_ids"]) <= sent
+
+
+async def test_http_path_exports_recorded_trajectories_over_otlp(
+    fake_vllm: tuple[FakeVLLM, str],
+    qwen_tokenizer: Any,
+    tmp_path: Path,
+    mlflow_server: tuple[FakeMlflowServer, str],
+) -> None:
+    """Recorded trajectories to an http:// tracking URI: the experiment is looked up, then
+    created, by the project name, the run by the trajectories' experiment name; the spans go
+    over OTLP with the experiment id header, one trace per trajectory (id from the
+    record id), verl's tags on the root span, exact times, decoded text; then the traces are
+    linked to the run, a late score is set as a tag, and the run ends when the proxy stops."""
+    fake, url = mlflow_server
+    _, upstream = fake_vllm
+    exporter = MlflowExporter(url, "rl-project", None)
+    settings = {"project": "rl-project", "token2text": True,
+                "tokenizer": [str(ensure_qwen_tokenizer())]}  # fmt: skip
+    done = {"X-Rollout-Done": "true"}
+    async with (
+        proxy_with(upstream, tmp_path, exporter, **settings) as (service, proxy),
+        aiohttp.ClientSession() as http,
+    ):
+        assert service.addresses is not None and service.addresses.admin is not None
+        admin = service.addresses.admin
+        # A: chat with a tool call, and a reward while it is open.
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+        body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 40}
+        async with http.post(proxy + "/v1/chat/completions", json=body,
+                             headers=key(1, 0, "a")) as response:  # fmt: skip
+            message = (await response.json())["choices"][0]["message"]
+        await service.capture.drain()
+        await asyncio.to_thread(post_reward, admin, reward=1.0, labels={"correct": True},
+                                trajectory_id="a")  # fmt: skip
+        [tool_call] = message["tool_calls"]
+        messages += [message, {"role": "tool", "tool_call_id": tool_call["id"], "content": "18C"}]
+        body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 6}
+        async with http.post(proxy + "/v1/chat/completions", json=body,
+                             headers={**key(1, 0, "a"), **done}) as response:  # fmt: skip
+            assert response.status == 200
+        # B: token ids, two turns (the second extends the first), and a late score.
+        ids = qwen_tokenizer.encode(CHATML)
+        body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
+        async with http.post(proxy + "/v1/completions", json=body,
+                             headers=key(1, 1, "b")) as response:  # fmt: skip
+            first = (await response.json())["choices"][0]["token_ids"]
+        ids = ids + first + qwen_tokenizer.encode(MORE)
+        body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
+        async with http.post(proxy + "/v1/completions", json=body,
+                             headers={**key(1, 1, "b"), **done}) as response:  # fmt: skip
+            second = (await response.json())["choices"][0]["token_ids"]
+        await service.capture.drain()
+        await service.pipeline.flush()
+        assert await asyncio.to_thread(post_reward, admin, score=0.5, trajectory_id="b") == (
+            "exported"
+        )
+    records = {t["key"]["trajectory_id"]: t for t in trajectories(tmp_path)}
+    a, b = records["a"], records["b"]
+    trace_a, trace_b = trace_id_of(a["id"]), trace_id_of(b["id"])
+
+    assert fake.unknown() == []
+    [experiment_id] = [i for i, e in fake.experiments.items() if e["name"] == "rl-project"]
+    run = fake.run_by_name(experiment_id, "grpo-7b")  # the default run: the experiment name
+    run_id = run["info"]["run_id"]
+    # Experiment and run once (then cached); the run ended by close(), which MLflow's client
+    # precedes with a runs/get (to print the run's URL).
+    assert [c for c in calls(fake) if "/experiments/" in c[0] or "/runs/" in c[0]] == [
+        (GET_BY_NAME, 404), (CREATE_EXPERIMENT, 200), (SEARCH_RUNS, 200), (CREATE_RUN, 200),
+        (LOG_BATCH, 200), (GET_RUN, 200), (UPDATE_RUN, 200),
+    ]  # fmt: skip
+    [summary] = bodies(fake, LOG_BATCH)  # step 1's summary, when the proxy stops
+    assert summary["run_id"] == run_id
+    assert {m["key"]: (m["value"], m["step"]) for m in summary["metrics"]} == {
+        "trace_proxy/trajectories_seen": (2.0, 1),
+        "trace_proxy/trajectories_kept": (2.0, 1),
+        "trace_proxy/trajectories_dropped_by_sampler": (0.0, 1),
+        "trace_proxy/calls_seen": (4.0, 1),
+        "trace_proxy/calls_kept": (4.0, 1),
+        "trace_proxy/calls_dropped_by_sampler": (0.0, 1),
+    }
+    assert bodies(fake, GET_BY_NAME) == [{"experiment_name": "rl-project"}]
+    assert bodies(fake, CREATE_EXPERIMENT) == [{"name": "rl-project"}]
+    [search] = bodies(fake, SEARCH_RUNS)
+    assert search["experiment_ids"] == [experiment_id]
+    assert search["filter"] == "attributes.run_name = 'grpo-7b'"
+    [create] = bodies(fake, CREATE_RUN)
+    assert (create["experiment_id"], create["run_name"]) == (experiment_id, "grpo-7b")
+    assert create["tags"] == [{"key": "mlflow.source.name", "value": "trace-proxy"}]
+    [update] = bodies(fake, UPDATE_RUN)
+    assert (update["run_id"], update["status"]) == (run_id, "FINISHED")
+    assert run["info"]["status"] == "FINISHED"
+
+    # The spans: over OTLP (protobuf), with the experiment id, each span once.
+    assert fake.exports
+    assert [c for c in calls(fake) if c[0] == SPANS] == [(SPANS, 200)] * len(fake.exports)
+    for export in fake.exports:
+        assert export.headers[EXPERIMENT_HEADER] == experiment_id
+        assert export.headers["Content-Type"] == "application/x-protobuf"
+    sent = Counter((s.trace_id, s.span_id) for s in fake.received_spans())
+    assert set(sent.values()) == {1}
+    traces = wire_traces(fake)
+    assert set(traces) == set(fake.traces) == {trace_a, trace_b}
+    assert {t.experiment_id for t in fake.traces.values()} == {experiment_id}
+
+    # A: the root, two generate calls and the tool call between them.
+    root, llm1, tool, llm2 = traces[trace_a]
+    assert [(s.name, s.attributes["mlflow.spanType"]) for s in traces[trace_a]] == [
+        ("agent_loop", "AGENT"), ("generate", "LLM"), ("get_weather", "TOOL"),
+        ("generate", "LLM"),
+    ]  # fmt: skip
+    assert root.trace_id == trace_a.removeprefix("tr-")
+    assert root.parent_span_id is None
+    assert {s.parent_span_id for s in (llm1, tool, llm2)} == {root.span_id}
+    assert root_tags(root) == {
+        "mlflow.traceName": "agent_loop", "step": "1", "sample_index": "0", "rollout_n": "0",
+        "validate": "False", "experiment_name": "grpo-7b", "trajectory_id": "a",
+        "reward": "1.0", "label.correct": "true",
+    }  # fmt: skip
+    assert not any(k.startswith(TAG) for s in (llm1, tool, llm2) for k in s.attributes)
+    assert fake.traces[trace_a].tags == root_tags(root)  # what the server makes of them
+    assert fake.traces[trace_a].state == "OK"
+    assert (root.start_time_unix_nano, root.end_time_unix_nano) == (ns(a["start"]), ns(a["end"]))
+    for span, call in zip((llm1, llm2), a["calls"], strict=True):
+        assert (span.start_time_unix_nano, span.end_time_unix_nano) == (
+            ns(call["start"]), ns(call["end"])
+        )  # fmt: skip
+        assert span.attributes["mlflow.llm.model"] == "tiny-qwen"
+        assert span.status_code == "STATUS_CODE_OK"
+    [tool_record] = a["tools"]
+    assert (tool.start_time_unix_nano, tool.end_time_unix_nano) == (
+        ns(tool_record["start"]), ns(tool_record["end"])
+    )  # fmt: skip
+    assert llm1.attributes["mlflow.spanInputs"] == {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": TOOLS,
+        "sampling_params": {"max_tokens": 40},
+    }
+    assert llm2.attributes["mlflow.spanInputs"]["messages"][-1] == messages[-1]
+    outputs1 = llm1.attributes["mlflow.spanOutputs"]
+    assert outputs1["choices"][0]["message"]["tool_calls"] == message["tool_calls"]
+    assert outputs1["usage"] == a["calls"][0]["usage"]
+    assert tool.attributes["mlflow.spanInputs"] == {"city": "Paris"}
+    assert tool.attributes["mlflow.spanOutputs"] == "18C"
+    assert tool.attributes["call_id"] == tool_call["id"]
+    assert root.attributes["mlflow.spanInputs"] == {
+        "messages": [{"role": "user", "content": "Weather in Paris?"}]
+    }
+    assert root.attributes["mlflow.spanOutputs"]["reward"] == 1.0
+
+    # B: two turns of token ids, with the decoded text.
+    root, turn1, turn2 = traces[trace_b]
+    assert [s.attributes["mlflow.spanType"] for s in (root, turn1, turn2)] == [
+        "AGENT", "LLM", "LLM"
+    ]  # fmt: skip
+    assert root_tags(root) == {
+        "mlflow.traceName": "agent_loop", "step": "1", "sample_index": "1", "rollout_n": "0",
+        "validate": "False", "experiment_name": "grpo-7b", "trajectory_id": "b",
+    }  # fmt: skip
+    assert (root.start_time_unix_nano, root.end_time_unix_nano) == (ns(b["start"]), ns(b["end"]))
+    text1 = qwen_tokenizer.decode(first)
+    inputs1, inputs2 = (s.attributes["mlflow.spanInputs"] for s in (turn1, turn2))
+    assert inputs1["prompt_text"] == CHATML
+    assert turn1.attributes["mlflow.spanOutputs"]["choices"][0]["response_text"] == text1
+    assert turn1.attributes["mlflow.spanOutputs"]["choices"][0]["token_ids"] == first
+    assert inputs2["prompt_ids"] == ids  # the whole prompt, not the shared suffix
+    assert inputs2["prompt_text"] == CHATML + text1 + MORE
+    assert root.attributes["mlflow.spanOutputs"]["transcript"] == (
+        CHATML + text1 + MORE + qwen_tokenizer.decode(second)
+    )
+
+    # Linked to the run, once each, after the server had them.
+    assert sorted(fake.links[run_id]) == sorted([trace_a, trace_b])
+    assert sorted(t for body in bodies(fake, LINK) for t in body["trace_ids"]) == sorted(
+        [trace_a, trace_b]
+    )
+    assert {body["run_id"] for body in bodies(fake, LINK)} == {run_id}
+    assert_linked_after_sent(fake)
+    # The late score: the trace is asked for, then tagged.
+    info_then_tag = [c for c in calls(fake) if c[0] in (TRACE_INFO, SET_TAG)]
+    assert info_then_tag == [(TRACE_INFO, 200), (SET_TAG, 200)]
+    assert bodies(fake, f"PATCH /api/2.0/mlflow/traces/{trace_b}/tags") == [
+        {"key": "score", "value": "0.5"}
+    ]
+    assert fake.traces[trace_b].tags["score"] == "0.5"
+    assert "score" not in fake.traces[trace_a].tags
+
+
+async def test_http_path_run_by_id_or_name_summaries_and_late_rewards(
+    mlflow_server: tuple[FakeMlflowServer, str],
+) -> None:
+    """`--mlflow-run` as the id of an existing run: used as is (not searched, not created, not
+    ended); as a name: found, or created (quoted either way); step summaries as metrics; a late
+    reward tags an exported trace and skips one the server does not have."""
+    fake, url = mlflow_server
+    experiment_id = fake.add_experiment("runs")
+    trainer = fake.add_run(experiment_id, "trainer")
+
+    by_id = MlflowExporter(url, "runs", trainer)
+    summary = StepSummary(project="runs", experiment="exp", step=3, validate=False,
+                          trajectories_seen=8, trajectories_kept=2, calls_seen=5)  # fmt: skip
+    await asyncio.to_thread(by_id.export, [trajectory("11" * 16, 3), summary])
+    note = Annotation(project="runs", experiment="exp", step=3, validate=True,
+                      target={"trajectory_id": "t"}, trajectories=["11" * 16, "9" * 32],
+                      time=0.0, reward=-1.0, labels={"ok": False})  # fmt: skip
+    await asyncio.to_thread(by_id.export, [note])
+    await asyncio.to_thread(by_id.close)
+
+    assert fake.unknown() == []
+    assert [c for c in calls(fake) if c[0] != VERSION] == [
+        (GET_BY_NAME, 200), (GET_RUN, 200), (SPANS, 200), (LINK, 200), (LOG_BATCH, 200),
+        (TRACE_INFO, 200), (SET_TAG, 200), (SET_TAG, 200), (TRACE_INFO, 404),
+    ]  # fmt: skip
+    assert bodies(fake, GET_RUN) == [{"run_uuid": trainer, "run_id": trainer}]
+    assert [e.headers[EXPERIMENT_HEADER] for e in fake.exports] == [experiment_id]
+    assert bodies(fake, LINK) == [{"trace_ids": ["tr-" + "11" * 16], "run_id": trainer}]
+    assert fake.runs[trainer]["info"]["status"] == "RUNNING"  # not ours to end
+    [batch] = bodies(fake, LOG_BATCH)
+    assert batch["run_id"] == trainer
+    assert {m["key"]: (m["value"], m["step"]) for m in batch["metrics"]} == {
+        "trace_proxy/trajectories_seen": (8.0, 3),
+        "trace_proxy/trajectories_kept": (2.0, 3),
+        "trace_proxy/trajectories_dropped_by_sampler": (0.0, 3),
+        "trace_proxy/calls_seen": (5.0, 3),
+        "trace_proxy/calls_kept": (0.0, 3),
+        "trace_proxy/calls_dropped_by_sampler": (0.0, 3),
+    }
+    root, generate, tool = wire_traces(fake)["tr-" + "11" * 16]
+    assert root_tags(root) == {"mlflow.traceName": "agent_loop", "step": "3",
+                               "validate": "True", "experiment_name": "exp"}  # fmt: skip
+    assert [s.attributes["mlflow.spanType"] for s in (root, generate, tool)] == [
+        "AGENT", "LLM", "TOOL"
+    ]  # fmt: skip
+    assert generate.start_time_unix_nano == 1_700_000_000_000_001_000
+    assert (tool.start_time_unix_nano, tool.end_time_unix_nano) == (
+        1_700_000_000_500_000_000, 1_700_000_000_750_000_000  # never answered: ends with it
+    )  # fmt: skip
+    assert generate.attributes["mlflow.spanInputs"] == {"prompt": "2+2=", "sampling_params": {}}
+    assert tool.attributes["mlflow.spanInputs"] == {"arguments": "[1, 2]"}
+    assert fake.traces["tr-" + "11" * 16].tags["reward"] == "-1.0"
+    assert fake.traces["tr-" + "11" * 16].tags["label.ok"] == "false"
+    assert "tr-" + "9" * 32 not in fake.traces
+
+    # A run name: an existing run is found (newest first); a new name is created, quoted.
+    fake.requests.clear()
+    for name in ("trainer", "it's"):
+        by_name = MlflowExporter(url, "runs", name)
+        await asyncio.to_thread(by_name.export, [trajectory("22" * 16, 4)])
+        await asyncio.to_thread(by_name.close)
+    assert [b["filter"] for b in bodies(fake, SEARCH_RUNS)] == [
+        "attributes.run_name = 'trainer'", "attributes.run_name = \"it's\""
+    ]  # fmt: skip
+    assert [b["run_name"] for b in bodies(fake, CREATE_RUN)] == ["it's"]
+    quoted = fake.run_by_name(experiment_id, "it's")["info"]["run_id"]
+    assert [(b["run_id"], b["trace_ids"]) for b in bodies(fake, LINK)] == [
+        (trainer, ["tr-" + "22" * 16]), (quoted, ["tr-" + "22" * 16])
+    ]  # fmt: skip
+    assert [b["run_id"] for b in bodies(fake, UPDATE_RUN)] == [quoted]  # only the one it made
+
+    # A deleted experiment is an error (retried until restored), not silently recreated.
+    fake.add_experiment("gone", lifecycle_stage="deleted")
+    with pytest.raises(MlflowException, match="is deleted"):
+        await asyncio.to_thread(
+            MlflowExporter(url, "gone", None).export, [trajectory("33" * 16, 1, "gone")]
+        )
+    assert fake.unknown() == []
+
+
+async def test_http_path_failures_raise_and_the_retry_delivers_each_span_once(
+    mlflow_server: tuple[FakeMlflowServer, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server failure makes export() raise, so the pipeline retries the batch; after
+    recovery every span arrives once per span id and every trace is linked once. MLflow's own
+    retries (7, with backoff: minutes) are turned off, so each failure reaches export()."""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    fake, url = mlflow_server
+    exporter = MlflowExporter(url, "flaky", None)
+    batch: list[Any] = [failed("66" * 16, "flaky"), trajectory("77" * 16, 1, "flaky")]
+    expected = {"tr-" + "66" * 16, "tr-" + "77" * 16}
+
+    # The server's version (asked before the first spans) fails: transient, as any failure.
+    fake.fail(VERSION, 503)
+    with pytest.raises(NotImplementedError, match="server version"):
+        await asyncio.to_thread(exporter.export, batch)
+    # The spans are refused.
+    fake.recover()
+    fake.fail(SPANS, 503)
+    with pytest.raises(MlflowException):
+        await asyncio.to_thread(exporter.export, batch)
+    assert [c for c in calls(fake) if c[0] in (VERSION, SPANS)] == [
+        (VERSION, 503), (VERSION, 200), (SPANS, 503)
+    ]  # fmt: skip
+    assert fake.exports == [] and fake.traces == {} and bodies(fake, LINK) == []
+
+    fake.recover()
+    await asyncio.to_thread(exporter.export, batch)
+    assert fake.unknown() == []  # no fallback to other routes (trace artifacts)
+    assert [c for c in calls(fake) if c[0] in (VERSION, SPANS, LINK)] == [
+        (VERSION, 503), (VERSION, 200), (SPANS, 503), (SPANS, 200), (LINK, 200)
+    ]  # fmt: skip
+    sent = Counter((s.mlflow_trace_id, s.span_id) for s in fake.received_spans())
+    assert set(sent.values()) == {1} and len(sent) == 6  # 3 spans per trajectory, once each
+    [experiment_id] = [i for i, e in fake.experiments.items() if e["name"] == "flaky"]
+    assert [e.headers[EXPERIMENT_HEADER] for e in fake.exports] == [experiment_id]
+    assert set(fake.traces) == expected
+    assert fake.traces["tr-" + "66" * 16].state == "ERROR"
+    [run_id] = fake.links
+    assert sorted(fake.links[run_id]) == sorted(expected)
+    assert_linked_after_sent(fake)
+    _, generate, _ = wire_traces(fake)["tr-" + "66" * 16]
+    assert (generate.status_code, generate.status_message) == (
+        "STATUS_CODE_ERROR", "http_503: overloaded"
+    )  # fmt: skip
+
+    # The link fails after the spans were accepted: the retry sends the same span ids again
+    # (the server keeps one of each) and links.
+    fake.fail(LINK, 503)
+    with pytest.raises(MlflowException):
+        await asyncio.to_thread(exporter.export, batch)
+    fake.recover()
+    await asyncio.to_thread(exporter.export, batch)
+    resent = Counter((s.mlflow_trace_id, s.span_id) for s in fake.received_spans())
+    assert set(resent) == set(sent) and set(resent.values()) == {3}  # once, then twice more
+    assert len(fake.spans) == 6 and set(fake.traces) == expected
+    assert [c for c in calls(fake) if c[0] == LINK] == [(LINK, 200), (LINK, 503), (LINK, 200)]
+    assert sorted(fake.links[run_id]) == sorted(expected)
+    # The experiment and the run were made once, whatever failed after.
+    assert [c for c in calls(fake) if c[0] in (GET_BY_NAME, CREATE_EXPERIMENT, CREATE_RUN)] == [
+        (GET_BY_NAME, 404), (CREATE_EXPERIMENT, 200), (CREATE_RUN, 200)
+    ]  # fmt: skip
+
+
+def _mlflow_server_missing() -> str | None:
+    """Why `mlflow server` cannot run here; None when it can."""
+    try:
+        importlib.metadata.version("mlflow")
+    except importlib.metadata.PackageNotFoundError:
+        return (
+            f"the full `mlflow` package is not installed (mlflow-skinny {mlflow.__version__} "
+            "has the `mlflow server` command and `mlflow.server`, but not flask, which the "
+            "server needs): only the fake server is tested"
+        )
+    if importlib.util.find_spec("mlflow.server") is None or shutil.which("mlflow") is None:
+        return "no `mlflow` command or `mlflow.server` module"
+    if importlib.util.find_spec("flask") is None:
+        return "flask is not installed: `mlflow server` cannot start"
+    return None
+
+
+MLFLOW_SERVER_MISSING = _mlflow_server_missing()
+
+
+@contextlib.asynccontextmanager
+async def real_mlflow_server(directory: Path) -> AsyncIterator[str]:
+    """`mlflow server` on a free port, with a sqlite store in `directory`; its URL once it
+    answers /health (it takes ~25 s to start)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log_path = directory / "mlflow-server.log"
+    with log_path.open("wb") as log:
+        process = await asyncio.create_subprocess_exec(
+            shutil.which("mlflow") or "mlflow", "server",
+            "--backend-store-uri", f"sqlite:///{directory / 'mlflow.db'}",
+            "--host", "127.0.0.1", "--port", str(port), "--workers", "1",
+            cwd=directory, stdout=log, stderr=log,
+            env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true"},
+        )  # fmt: skip
+    try:
+        deadline = asyncio.get_running_loop().time() + 120
+        async with aiohttp.ClientSession() as http:
+            while True:
+                assert process.returncode is None, log_path.read_text(errors="replace")
+                assert asyncio.get_running_loop().time() < deadline, "mlflow server not ready"
+                with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                    async with http.get(url + "/health", timeout=aiohttp.ClientTimeout(2)) as r:
+                        if r.status == 200:
+                            break
+                await asyncio.sleep(0.25)  # polling /health: the server says when it is ready
+        yield url
+    finally:
+        if process.returncode is None:
+            process.terminate()
+        await process.wait()
+
+
+@pytest.mark.skipif(MLFLOW_SERVER_MISSING is not None, reason=MLFLOW_SERVER_MISSING or "")
+async def test_http_path_against_a_real_mlflow_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same export to a real `mlflow server`, read back with MLflow's own search: the tags
+    ride on the root span and become trace tags, the traces are linked to the run."""
+    RestStore._get_server_version.cache_clear()
+    async with real_mlflow_server(tmp_path) as url:
+        exporter = MlflowExporter(url, "real-server", None)
+        batch: list[Any] = [trajectory("ab" * 16, 1, "real-server"),
+                            failed("cd" * 16, "real-server")]  # fmt: skip
+        await asyncio.to_thread(exporter.export, batch)
+        await asyncio.to_thread(exporter.close)
+
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+        client = MlflowClient(url)
+        experiment_id = client.get_experiment_by_name("real-server").experiment_id
+        [run] = client.search_runs([experiment_id])
+        assert (run.info.run_name, run.info.status) == ("exp", "FINISHED")
+        found = await asyncio.to_thread(
+            mlflow.search_traces, locations=[experiment_id], filter_string="tags.step = '1'",
+            return_type="list",
+        )  # fmt: skip
+        assert [t.info.trace_id for t in found] == ["tr-" + "ab" * 16]
+        linked = await asyncio.to_thread(
+            mlflow.search_traces, locations=[experiment_id], run_id=run.info.run_id,
+            return_type="list",
+        )  # fmt: skip
+        assert {t.info.trace_id for t in linked} == {"tr-" + "ab" * 16, "tr-" + "cd" * 16}
+
+        trace = await asyncio.to_thread(mlflow.get_trace, "tr-" + "ab" * 16)
+        assert {"step": "1", "validate": "True", "experiment_name": "exp"}.items() <= (
+            trace.info.tags.items()
+        )
+        assert trace.info.state.value == "OK"
+        root, generate, tool = trace.data.spans
+        assert [(s.name, s.span_type) for s in trace.data.spans] == [
+            ("agent_loop", "AGENT"), ("generate", "LLM"), ("calc", "TOOL")
+        ]  # fmt: skip
+        assert root.parent_id is None
+        assert {generate.parent_id, tool.parent_id} == {root.span_id}
+        assert (root.start_time_ns, root.end_time_ns) == (
+            1_700_000_000_000_001_000, 1_700_000_000_750_000_000
+        )  # fmt: skip
+        assert generate.inputs == {"prompt": "2+2=", "sampling_params": {}}
+        errored = await asyncio.to_thread(mlflow.get_trace, "tr-" + "cd" * 16)
+        assert errored.info.state.value == "ERROR"
+        assert errored.info.tags["step"] == "7"

@@ -62,6 +62,7 @@ from mlflow.entities import (
     TraceState,
 )
 from mlflow.exceptions import MlflowException, RestException
+from mlflow.store.tracking.rest_store import RestStore
 from mlflow.tracing.client import TracingClient
 from mlflow.tracking import MlflowClient
 
@@ -656,6 +657,11 @@ class MlflowExporter:
                         tracing.log_spans(experiment_id, chunk)
                 except (NotImplementedError, RestException) as exc:
                     if isinstance(exc, RestException) and "not supported" not in exc.message:
+                        raise
+                    if self._remote and "could not identify" in str(exc):
+                        # GET /version failed: MLflow asks it once, without retrying, and
+                        # caches the failure for the process. Transient: forget it, retry.
+                        RestStore._get_server_version.cache_clear()
                         raise
                     log.info("mlflow: %s keeps spans as trace artifacts", self.tracking_uri)
                     self._log_spans = False
