@@ -1,13 +1,15 @@
-"""What trace-proxy costs: latency and throughput vs. a direct connection and vs. nginx.
+"""What trace-proxy costs: latency and throughput vs. a direct connection, nginx and LiteLLM.
 
     python benchmarks/overhead.py [--duration 4] [--concurrency 1,64] [--output PATH]
 
 One run starts a fast fake vLLM upstream, trace-proxy (recording to jsonl; also driven on a
 route it does not record, to separate forwarding from recording) and nginx (keep-alive reverse
 proxy) in their own processes, then drives each with a closed-loop load generator (its own
-process) at each concurrency, in rounds that rotate the order of the systems. It prints a
-table, checks that every response body was byte-identical and that trace-proxy's store holds
-every call, and writes RESULTS.md. It installs nothing; nginx comes from the Debian package.
+process) at each concurrency, in rounds that rotate the order of the systems. LiteLLM's proxy
+runs too, with the same upstream as an OpenAI-compatible backend (installed once into a cached
+venv: benchlib/litellm.py). It prints a table, checks that every response body was
+byte-identical (LiteLLM re-serialises bodies: statuses only) and that trace-proxy's store holds
+every call, and writes RESULTS.md. nginx comes from the Debian package.
 See benchmarks/README.md.
 """
 
@@ -32,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from benchlib import checks as check
+from benchlib import litellm, plots
 from benchlib.environment import describe
 from benchlib.procs import (
     BENCH_DIR,
@@ -52,7 +55,8 @@ from benchlib.workload import PATH, UNRECORDED_PATH
 TRACE_PROXY = check.TRACE_PROXY
 UNRECORDED = check.UNRECORDED  # trace-proxy on a route it does not record: forwarding alone
 NGINX = "nginx"
-SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, NGINX)
+LITELLM = check.LITELLM
+SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, NGINX, LITELLM)
 MODES = ("json", "sse")
 DRAIN_TIMEOUT = 120.0
 QUIET_WAIT = 60.0  # seconds a run may spend in all waiting for other processes to calm down
@@ -97,7 +101,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--systems",
         type=_choices(SYSTEMS),
         default=list(SYSTEMS),
-        help="direct, trace-proxy, trace-proxy-unrecorded, nginx [all]",
+        help="direct, trace-proxy, trace-proxy-unrecorded, nginx, litellm [all]",
+    )
+    add(
+        "--litellm",
+        default=None,
+        metavar="PATH",
+        help="an existing `litellm` executable (default: installed once into\n"
+        "~/.cache/trace-proxy-bench/litellm)",
     )
     add(
         "--think-ms",
@@ -176,6 +187,11 @@ def start_all(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> Runn
         stack.callback(nginx.stop)
         running.proxies[NGINX], running.urls[NGINX] = nginx, url
         running.nginx_log = error_log
+    if LITELLM in args.systems:
+        binary = litellm.ensure_litellm(args.litellm)
+        proc, url = litellm.start_litellm(workdir, upstream_url, binary)
+        stack.callback(proc.stop)
+        running.proxies[LITELLM], running.urls[LITELLM] = proc, url
     return running
 
 
@@ -343,6 +359,8 @@ def finish(
     if NGINX in running.proxies:
         running.proxies[NGINX].stop()
         check.check_log(NGINX, running.nginx_log, checks, nginx=True)
+    if LITELLM in running.proxies:
+        running.proxies[LITELLM].stop()
     running.upstream.stop()
     check.check_log("upstream", running.upstream.log, checks)
     return checks, facts
@@ -376,6 +394,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"overhead.py: error: {exc}", file=sys.stderr)
         return 2
     environment = describe(with_nginx=NGINX in args.systems)
+    if LITELLM in args.systems:
+        try:
+            environment["litellm"] = litellm.version(litellm.ensure_litellm(args.litellm))
+        except BenchError as exc:
+            print(f"overhead.py: error: {exc}", file=sys.stderr)
+            return 2
     temporary = args.workdir is None
     workdir = Path(tempfile.mkdtemp(prefix="trace-proxy-bench-")) if temporary else args.workdir
     workdir.mkdir(parents=True, exist_ok=True)
@@ -393,6 +417,16 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.monotonic() - started
     when = datetime.now(timezone.utc)
     document = render(command, when, seconds, environment, args, rows, cells, checks, facts)
+    images = plots.overhead_plots(rows, args.output.parent)
+    document += (
+        "\n## Plots\n\n"
+        + (
+            "\n".join(f"![{image.stem}]({image.name})" for image in images)
+            if images
+            else "(matplotlib is not installed: pip install matplotlib)"
+        )
+        + "\n"
+    )
     args.output.write_text(document + _other_sections(args.output))
     print(f"\nwrote {args.output}")
     if temporary and checks.ok:
@@ -402,14 +436,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if checks.ok else 1
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 OTHER_SECTIONS = (
     "\n## token2text decode throughput",
     "\n## Stored volume per trajectory",
     "\n## Export backends",
+    "\n## Soak: memory under sustained load",
 )
 
 
@@ -420,3 +451,7 @@ def _other_sections(path: Path) -> str:
     text = path.read_text()
     starts = [i for i in (text.find(h) for h in OTHER_SECTIONS) if i >= 0]
     return "\n" + text[min(starts) :].lstrip("\n") if starts else ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -102,7 +102,9 @@ def read_store(store: Path, turns: int, seed: int, stream_steps: set[int]) -> St
         report.files += 1
         with path.open("rb") as lines:
             for line in lines:
-                _check_trajectory(orjson.loads(line), prompts, outputs, stream_steps, report)
+                record = orjson.loads(line)
+                if record.get("record") == "trajectory":  # not step summaries or annotations
+                    _check_trajectory(record, prompts, outputs, stream_steps, report)
     return report
 
 

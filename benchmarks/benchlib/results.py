@@ -64,6 +64,7 @@ def render(
         f"Python {environment['python']} ({environment['loop']}), {environment['packages']}, "
         f"trace-proxy {environment['trace-proxy']}"
         + (f", nginx {environment['nginx']}" if "nginx" in environment else "")
+        + (f", LiteLLM {environment['litellm']}" if "litellm" in environment else "")
     )
     parts = [
         "# trace-proxy overhead benchmark: results\n",
@@ -131,6 +132,9 @@ def _findings(rows: list[Row], cells: list[Cell], noise_limit: float) -> list[st
     ratio = _cpu_ratio(rows)
     if ratio:
         lines.append(f"- {ratio}")
+    versus = _versus_litellm(rows)
+    if versus:
+        lines.append(f"- {versus}")
     others = [c.other_cores for c in cells]
     noisy = sum(1 for c in cells if c.other_cores > noise_limit)
     lines.append(
@@ -168,6 +172,21 @@ def _cpu_ratio(rows: list[Row]) -> str:
             said += f", {share:.0%} of it recording (unrecorded route: {bare.cpu_us:.0f} µs)"
         pairs.append(said)
     return "trace-proxy CPU per request: " + "; ".join(pairs) + "." if pairs else ""
+
+
+def _versus_litellm(rows: list[Row]) -> str:
+    """The issue's peer target: >= 5x LiteLLM's throughput and <= 1/5 of its added p99."""
+    pairs = []
+    for r in rows:
+        peer = _same(rows, r, "litellm") if r.system == "trace-proxy" else None
+        if peer is None or not peer.rps or not peer.added_p99 or r.added_p99 is None:
+            continue
+        pairs.append(
+            f"{r.mode}, c={r.concurrency}: {r.rps / peer.rps:.1f}x its throughput, "
+            f"added p99 {r.added_p99:+.2f} ms vs {peer.added_p99:+.2f} ms "
+            f"({r.added_p99 / peer.added_p99:.3f} of it)"
+        )
+    return "trace-proxy (100% recorded) vs LiteLLM: " + "; ".join(pairs) + "." if pairs else ""
 
 
 def _same(rows: list[Row], like: Row, system: str) -> Row | None:

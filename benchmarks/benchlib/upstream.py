@@ -3,7 +3,9 @@
 Run as its own process (`python -m benchlib.upstream --port 0`); it prints
 `upstream listening on PORT` when ready and stops on SIGTERM. The request body selects the
 answer by exact bytes, so an altered request body is caught here (HTTP 400, counted in
-`GET /_bench/stats`) rather than silently answered. Keeping the upstream this cheap makes the
+`GET /_bench/stats`) rather than silently answered. A proxy that re-serialises requests
+(LiteLLM) is answered by the request's meaning instead (its prompt and stream flag), and
+counted apart (`reserialized`). Keeping the upstream this cheap makes the
 proxies, not the upstream, the thing being measured.
 """
 
@@ -19,23 +21,42 @@ import orjson
 from aiohttp import web
 
 from benchlib.aio import run
-from benchlib.workload import JSON_TYPE, PATH, UNRECORDED_PATH, Turn, build_turns
+from benchlib.workload import (
+    CREATED,
+    JSON_TYPE,
+    MODEL,
+    PATH,
+    UNRECORDED_PATH,
+    Turn,
+    build_turns,
+)
 
 STATS_PATH = "/_bench/stats"
+MODELS_PATH = "/v1/models"
+MODELS = orjson.dumps({"object": "list", "data": [
+    {"id": MODEL, "object": "model", "created": CREATED, "owned_by": "vllm", "root": MODEL}
+]})  # fmt: skip
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
 def make_handler(turns: list[Turn], stats: dict[str, int]) -> Handler:
     """One handler for every route: canned answers keyed by the exact request body."""
     table = {turn.request: turn for turn in turns}
+    by_meaning = {_meaning(orjson.loads(turn.request)): turn for turn in turns}
 
     async def handle(request: web.BaseRequest) -> web.StreamResponse:
         if request.path == STATS_PATH:
             return web.Response(body=orjson.dumps(stats), headers={"Content-Type": JSON_TYPE})
+        if request.method == "GET" and request.path == MODELS_PATH:  # LiteLLM asks at start
+            stats["probes"] += 1
+            return web.Response(body=MODELS, headers={"Content-Type": JSON_TYPE})
         body = await request.read()
         stats["requests"] += 1
         routed = request.method == "POST" and request.path in (PATH, UNRECORDED_PATH)
         turn = table.get(body) if routed else None
+        if turn is None and routed:
+            turn = _by_meaning(by_meaning, body)
+            stats["reserialized"] += turn is not None
         if turn is None:
             stats["unknown"] += 1
             error = {"error": {"message": "benchmark upstream: unexpected request", "code": 400}}
@@ -47,6 +68,18 @@ def make_handler(turns: list[Turn], stats: dict[str, int]) -> Handler:
         return await _stream(request, turn)
 
     return handle
+
+
+def _meaning(request: Any) -> tuple[Any, ...]:
+    return (tuple(request.get("prompt") or ()), bool(request.get("stream")))
+
+
+def _by_meaning(by_meaning: dict[tuple[Any, ...], Turn], body: bytes) -> Turn | None:
+    try:
+        request = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return by_meaning.get(_meaning(request)) if isinstance(request, dict) else None
 
 
 async def _stream(request: web.BaseRequest, turn: Turn) -> web.StreamResponse:
@@ -61,7 +94,7 @@ async def _stream(request: web.BaseRequest, turn: Turn) -> web.StreamResponse:
 
 async def serve(port: int, turns: int, seed: int) -> None:
     """Listen on loopback until SIGTERM/SIGINT; print the bound port once ready."""
-    stats = {"requests": 0, "unknown": 0}
+    stats = {"requests": 0, "unknown": 0, "reserialized": 0, "probes": 0}
     canned = build_turns(turns, stream=False, seed=seed) + build_turns(turns, True, seed)
     server = web.Server(make_handler(canned, stats), access_log=None)
     runner = web.ServerRunner(server)

@@ -49,7 +49,10 @@ class CaptureStage:
 
     def admit(self, exchange: Exchange) -> bool:
         """On the hot path: False when the headers name a sample the sampler has dropped, so
-        nothing of the exchange needs keeping. Cheap: headers only, no body."""
+        nothing of the exchange needs keeping. Cheap: headers only, no body; nothing at all
+        when the sampler keeps everything."""
+        if not self._assembler.samples_early:
+            return True
         hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
         verdict = self._assembler.admit_early(hints)
         if verdict is False:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 import orjson
 from aiohttp import StreamReader, web
+from prometheus_client import Counter, Gauge
 from yarl import URL
 
 from trace_proxy.capture.exchange import Exchange
@@ -53,6 +54,9 @@ class Forwarder:
         self._admit = admit
         self._metrics = metrics
         self._timeout = timeout
+        # Metric children, looked up once rather than per request.
+        self._in_flight: dict[str, Gauge] = {}
+        self._requests: dict[tuple[str, str], Counter] = {}
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         start = time.time()
@@ -77,7 +81,11 @@ class Forwarder:
             if self._pool.sticky:
                 affinity = self._resolver.affinity_key(request.headers, path_items)
             upstream = self._pool.acquire(affinity)
-        in_flight = self._metrics.in_flight.labels(upstream.base)
+        in_flight = self._in_flight.get(upstream.base)
+        if in_flight is None:
+            in_flight = self._in_flight[upstream.base] = self._metrics.in_flight.labels(
+                upstream.base
+            )
         in_flight.inc()
         exchange = None
         if kind is not RouteKind.OTHER:
@@ -166,7 +174,12 @@ class Forwarder:
             exchange.end = time.time()
             exchange.error = exchange.error or error
         status_class = f"{status // 100}xx" if status else "none"
-        self._metrics.requests.labels(kind.value, status_class).inc()
+        counter = self._requests.get((kind.value, status_class))
+        if counter is None:
+            counter = self._requests[kind.value, status_class] = self._metrics.requests.labels(
+                kind.value, status_class
+            )
+        counter.inc()
 
     def _fail(
         self,

@@ -79,6 +79,11 @@ class Assembler:
     def open_count(self) -> int:
         return len(self._open)
 
+    @property
+    def samples_early(self) -> bool:
+        """Can `admit_early` drop anything? (Not when every sample is kept.)"""
+        return self._gate is not None and self._gate.active
+
     def admit_early(self, hints: KeyHints) -> bool | None:
         """The sampler's verdict from headers alone, before anything is copied: True (keep;
         counted), False (dropped; counted), None (the headers name no sample, or nothing is

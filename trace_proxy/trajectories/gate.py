@@ -57,14 +57,15 @@ class SamplingGate:
         self._waiting: OrderedDict[str, tuple[StepScope, Any, Trajectory]] = OrderedDict()
         self._refused: dict[StepScope, set[tuple[Any, Any]]] = {}
         self._exported = ExportedIndex()
+        self._active = any(
+            p.max_samples is not None or p.rate is not None
+            for p in (sampler.policy(False), sampler.policy(True))
+        )
 
     @property
     def active(self) -> bool:
         """Is anything being sampled out? (If not, there is nothing to decide early.)"""
-        return any(
-            p.max_samples is not None or p.rate is not None
-            for p in (self._sampler.policy(False), self._sampler.policy(True))
-        )
+        return self._active
 
     def admit(self, key: RolloutKey) -> bool:
         """Is a new call of this key worth keeping?"""
