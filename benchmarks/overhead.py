@@ -130,6 +130,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="at most this many such re-runs per run, 2 per cell [8]",
     )
     add("--turns", type=int, default=4, help="calls per trajectory [4]")
+    add(
+        "--chunk-interval-ms",
+        type=float,
+        default=2.0,
+        help="the upstream's pause between the SSE events of a response (its token rate) [2]",
+    )
     add("--seed", type=int, default=1, help="seed of the canned token ids [1]")
     add("--output", type=Path, default=BENCH_DIR / "RESULTS.md", help="results file [RESULTS.md]")
     add(
@@ -173,7 +179,7 @@ def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 def start_all(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> Running:
     """Start upstream and proxies; the stack stops them even if the run fails."""
-    upstream, upstream_url = start_upstream(workdir, args.turns, args.seed)
+    upstream, upstream_url = start_upstream(workdir, args.turns, args.seed, args.chunk_interval_ms)
     stack.callback(upstream.stop)
     running = Running(upstream, {DIRECT: upstream_url})
     if TRACE_PROXY in args.systems or UNRECORDED in args.systems:

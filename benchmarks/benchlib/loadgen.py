@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import gc
 import hashlib
+import itertools
 import json
 import math
 import resource
@@ -52,6 +53,8 @@ class Tally:
     max_measured: int
     max_sent: int
     latencies: list[float] = field(default_factory=list)
+    first_bytes: list[float] = field(default_factory=list)  # send to first body bytes
+    gaps: list[float] = field(default_factory=list)  # between body reads of one response
     sent: int = 0
     warmed: int = 0
     trajectories: int = 0
@@ -68,7 +71,7 @@ class Tally:
             self.stopped = True
         return not self.stopped
 
-    def measure(self, start: float, end: float) -> None:
+    def measure(self, start: float, end: float, arrivals: list[float] | None = None) -> None:
         """Keep the latency of a request that completed inside the window. The warm-up is
         bounded by the same count as the window: it ends early after `max_measured` requests."""
         if end < self.warm_end:
@@ -79,6 +82,9 @@ class Tally:
             return
         if end <= self.measure_end and len(self.latencies) < self.max_measured:
             self.latencies.append(end - start)
+            if arrivals:
+                self.first_bytes.append(arrivals[0] - start)
+                self.gaps.extend(b - a for a, b in itertools.pairwise(arrivals))
             if len(self.latencies) == self.max_measured:
                 self.measure_end = end
                 self.stopped = True
@@ -96,7 +102,12 @@ async def _request(
     tally.sent += 1
     try:
         async with session.post(spec.url, data=turn.request, headers=headers) as response:
-            body = await response.read()
+            parts = []
+            arrivals = []  # when each read of the body completed: first byte, then the gaps
+            async for chunk in response.content.iter_any():
+                arrivals.append(time.perf_counter())
+                parts.append(chunk)
+            body = b"".join(parts)
             status = response.status
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         tally.errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
@@ -110,7 +121,7 @@ async def _request(
         tally.mismatch_sample = (
             tally.mismatch_sample or f"turn {index}, status {status}: {body[:200]!r}"
         )
-    tally.measure(start, end)
+    tally.measure(start, end, arrivals)
 
 
 async def _worker(
@@ -177,6 +188,10 @@ def _summary(tally: Tally, cpu: float, elapsed: float) -> dict[str, Any]:
         "p90_ms": percentile(ms, 90),
         "p99_ms": percentile(ms, 99),
         "max_ms": ms[-1] if ms else math.nan,
+        "first_byte_p50_ms": percentile(sorted(v * 1000 for v in tally.first_bytes), 50),
+        "first_byte_p99_ms": percentile(sorted(v * 1000 for v in tally.first_bytes), 99),
+        "gap_p99_ms": percentile(sorted(v * 1000 for v in tally.gaps), 99),
+        "gaps": len(tally.gaps),
         "mean_ms": sum(ms) / len(ms) if ms else math.nan,
         "sent": tally.sent,
         "trajectories": tally.trajectories,

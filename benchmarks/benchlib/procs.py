@@ -114,9 +114,11 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def start_upstream(workdir: Path, turns: int, seed: int) -> tuple[Proc, str]:
+def start_upstream(
+    workdir: Path, turns: int, seed: int, chunk_interval_ms: float = 0.0
+) -> tuple[Proc, str]:
     argv = [sys.executable, "-m", "benchlib.upstream", "--port", "0", "--turns", str(turns),
-            "--seed", str(seed)]  # fmt: skip
+            "--seed", str(seed), "--chunk-interval-ms", str(chunk_interval_ms)]  # fmt: skip
     proc = spawn("upstream", argv, workdir)
     port = wait_for_line(proc, r"upstream listening on (\d+)").group(1)
     return proc, f"http://127.0.0.1:{port}"

@@ -105,7 +105,8 @@ def _workload(args: argparse.Namespace) -> str:
         f"{prompt_max} ids ({min(requests) / 1000:.1f}-{max(requests) / 1000:.1f} kB request "
         f"bodies), {OUTPUT_TOKENS} output tokens with logprobs and `return_token_ids` "
         f"({min(responses) / 1000:.1f}-{max(responses) / 1000:.1f} kB responses; `sse` = the "
-        f"same streamed as a few SSE events and `[DONE]`); trajectories of {args.turns} "
+        f"same streamed as a few SSE events and `[DONE]`, "
+        f"{getattr(args, 'chunk_interval_ms', 0):g} ms apart); trajectories of {args.turns} "
         f"sequential turns sent with X-Rollout-Step/Sample-Index/N headers; closed loop at "
         f"concurrency {', '.join(map(str, args.concurrency))}"
         + (f" with a {args.think_ms:g} ms pause after each response" if args.think_ms else "")
@@ -135,6 +136,7 @@ def _findings(rows: list[Row], cells: list[Cell], noise_limit: float) -> list[st
     versus = _versus_litellm(rows)
     if versus:
         lines.append(f"- {versus}")
+    lines += [f"- {line}" for line in _streaming(cells)]
     others = [c.other_cores for c in cells]
     noisy = sum(1 for c in cells if c.other_cores > noise_limit)
     lines.append(
@@ -172,6 +174,33 @@ def _cpu_ratio(rows: list[Row]) -> str:
             said += f", {share:.0%} of it recording (unrecorded route: {bare.cpu_us:.0f} µs)"
         pairs.append(said)
     return "trace-proxy CPU per request: " + "; ".join(pairs) + "." if pairs else ""
+
+
+def _streaming(cells: list[Cell]) -> list[str]:
+    """sse cells: time to the first body bytes and the p99 gap between reads, vs direct's."""
+    lines = []
+    for concurrency in sorted({c.concurrency for c in cells if c.mode == "sse"}):
+        mine = [c for c in cells if c.mode == "sse" and c.concurrency == concurrency]
+
+        def median(system: str, what: str, mine: list[Cell] = mine) -> float | None:
+            values = [c.load.get(what) for c in mine if c.system == system]
+            values = [v for v in values if v is not None and v == v]
+            return statistics.median(values) if values else None
+
+        direct_first, direct_gap = median(DIRECT, "first_byte_p50_ms"), median(DIRECT, "gap_p99_ms")
+        if direct_first is None or direct_gap is None:
+            continue
+        said = []
+        for system in dict.fromkeys(c.system for c in mine if c.system != DIRECT):
+            first, gap = median(system, "first_byte_p50_ms"), median(system, "gap_p99_ms")
+            if first is not None and gap is not None:
+                said.append(f"{system} adds {first - direct_first:+.3f} ms to the first byte "
+                            f"(p50) and {gap - direct_gap:+.3f} ms to the p99 gap")  # fmt: skip
+        lines.append(
+            f"Streaming, concurrency {concurrency} (direct: first byte p50 {direct_first:.3f} "
+            f"ms, p99 gap between reads {direct_gap:.3f} ms): " + "; ".join(said) + "."
+        )
+    return lines
 
 
 def _versus_litellm(rows: list[Row]) -> str:

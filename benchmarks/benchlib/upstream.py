@@ -39,7 +39,7 @@ MODELS = orjson.dumps({"object": "list", "data": [
 Handler = Callable[[web.BaseRequest], Awaitable[web.StreamResponse]]
 
 
-def make_handler(turns: list[Turn], stats: dict[str, int]) -> Handler:
+def make_handler(turns: list[Turn], stats: dict[str, int], pace: float = 0.0) -> Handler:
     """One handler for every route: canned answers keyed by the exact request body."""
     table = {turn.request: turn for turn in turns}
     by_meaning = {_meaning(orjson.loads(turn.request)): turn for turn in turns}
@@ -65,7 +65,7 @@ def make_handler(turns: list[Turn], stats: dict[str, int]) -> Handler:
             )
         if len(turn.chunks) == 1:
             return web.Response(body=turn.chunks[0], headers={"Content-Type": turn.content_type})
-        return await _stream(request, turn)
+        return await _stream(request, turn, pace)
 
     return handle
 
@@ -82,21 +82,24 @@ def _by_meaning(by_meaning: dict[tuple[Any, ...], Turn], body: bytes) -> Turn | 
     return by_meaning.get(_meaning(request)) if isinstance(request, dict) else None
 
 
-async def _stream(request: web.BaseRequest, turn: Turn) -> web.StreamResponse:
-    """Send the SSE events as separate writes, as a streaming server does."""
+async def _stream(request: web.BaseRequest, turn: Turn, pace: float) -> web.StreamResponse:
+    """Send the SSE events as separate writes, as a streaming server does; `pace` seconds
+    apart when a token rate is simulated."""
     response = web.StreamResponse(headers={"Content-Type": turn.content_type})
     await response.prepare(request)
-    for chunk in turn.chunks:
+    for index, chunk in enumerate(turn.chunks):
+        if pace and index:
+            await asyncio.sleep(pace)
         await response.write(chunk)
     await response.write_eof()
     return response
 
 
-async def serve(port: int, turns: int, seed: int) -> None:
+async def serve(port: int, turns: int, seed: int, pace: float = 0.0) -> None:
     """Listen on loopback until SIGTERM/SIGINT; print the bound port once ready."""
     stats = {"requests": 0, "unknown": 0, "reserialized": 0, "probes": 0}
     canned = build_turns(turns, stream=False, seed=seed) + build_turns(turns, True, seed)
-    server = web.Server(make_handler(canned, stats), access_log=None)
+    server = web.Server(make_handler(canned, stats, pace), access_log=None)
     runner = web.ServerRunner(server)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", port, backlog=1024)
@@ -121,8 +124,14 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--chunk-interval-ms",
+        type=float,
+        default=0.0,
+        help="pause between the SSE events of a response (a token rate)",
+    )
     args = parser.parse_args()
-    run(serve(args.port, args.turns, args.seed))
+    run(serve(args.port, args.turns, args.seed, args.chunk_interval_ms / 1000))
 
 
 if __name__ == "__main__":
