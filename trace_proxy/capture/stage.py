@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 import orjson
@@ -24,6 +25,8 @@ from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.record import ToolCall
 
 log = logging.getLogger(__name__)
+BEHIND = 32  # exchanges waiting: parsing is falling behind forwarding
+BURST = 0.002  # seconds of parsing per turn of the event loop while behind
 
 
 class CaptureStage:
@@ -86,6 +89,7 @@ class CaptureStage:
         self._metrics.open_trajectories.set(0)
 
     async def _work(self) -> None:
+        burst_started = time.perf_counter()
         while True:
             exchange = await self._queue.get()
             try:
@@ -96,9 +100,13 @@ class CaptureStage:
             finally:
                 self._queue.task_done()
                 self._metrics.capture_queue.set(self._queue.qsize())
-            # Queue.get() does not yield while items wait: without this a backlog would be
-            # parsed in one burst, and no request could be forwarded meanwhile.
-            await asyncio.sleep(0)
+            # Queue.get() does not yield while items wait: without a yield a backlog would be
+            # parsed in one burst, and no request could be forwarded meanwhile. One item per
+            # turn of the loop, though, falls behind a saturated proxy until the queue
+            # overflows: past BEHIND waiting, parse for up to BURST seconds per turn.
+            if self._queue.qsize() < BEHIND or time.perf_counter() - burst_started >= BURST:
+                await asyncio.sleep(0)
+                burst_started = time.perf_counter()
 
     async def _close_idle(self) -> None:
         while True:
