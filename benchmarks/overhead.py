@@ -56,7 +56,10 @@ TRACE_PROXY = check.TRACE_PROXY
 UNRECORDED = check.UNRECORDED  # trace-proxy on a route it does not record: forwarding alone
 NGINX = "nginx"
 LITELLM = check.LITELLM
-SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, NGINX, LITELLM)
+SAMPLED = "trace-proxy-sampled"  # keeps 10% of the samples: the rest refused on the hot path
+OFF = "trace-proxy-off"  # keeps none (--max-samples-per-step 0): tracing off, forwarding on
+VARIANTS = {SAMPLED: ["--sample-rate", "0.1"], OFF: ["--max-samples-per-step", "0"]}
+SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, NGINX, LITELLM)
 MODES = ("json", "sse")
 DRAIN_TIMEOUT = 120.0
 QUIET_WAIT = 60.0  # seconds a run may spend in all waiting for other processes to calm down
@@ -101,7 +104,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--systems",
         type=_choices(SYSTEMS),
         default=list(SYSTEMS),
-        help="direct, trace-proxy, trace-proxy-unrecorded, nginx, litellm [all]",
+        help="direct, trace-proxy, trace-proxy-unrecorded, trace-proxy-sampled,\n"
+        "trace-proxy-off, nginx, litellm [all]",
     )
     add(
         "--litellm",
@@ -188,6 +192,11 @@ def start_all(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> Runn
         for system in (TRACE_PROXY, UNRECORDED):
             running.proxies[system], running.urls[system] = proxy, url
         running.admin_url = admin
+    for variant, extra in VARIANTS.items():
+        if variant in args.systems:
+            proc, url, _ = start_trace_proxy(workdir, upstream_url, variant, extra)
+            stack.callback(proc.stop)
+            running.proxies[variant], running.urls[variant] = proc, url
     if NGINX in args.systems:
         nginx, url, error_log = start_nginx(workdir, upstream_url)
         stack.callback(nginx.stop)
@@ -367,6 +376,11 @@ def finish(
         check.check_log(NGINX, running.nginx_log, checks, nginx=True)
     if LITELLM in running.proxies:
         running.proxies[LITELLM].stop()
+    for variant in VARIANTS:
+        if variant in running.proxies:
+            code, seconds = running.proxies[variant].stop()
+            check.check_exit(variant, code, seconds, checks)
+            check.check_log(variant, running.proxies[variant].log, checks)
     running.upstream.stop()
     check.check_log("upstream", running.upstream.log, checks)
     return checks, facts
@@ -382,7 +396,7 @@ def preflight(args: argparse.Namespace) -> None:
     """Fail before starting anything if a dependency is missing."""
     if NGINX in args.systems:
         find_nginx()
-    if TRACE_PROXY in args.systems or UNRECORDED in args.systems:
+    if any(s.startswith(TRACE_PROXY) for s in args.systems):
         try:
             import trace_proxy  # noqa: F401
         except ImportError:

@@ -83,7 +83,8 @@ def inline_pipeline(
     segment_bytes: int | None = None,
     batch_size: int = 64,
 ) -> tuple[ExportPipeline, Metrics]:
-    """An export pipeline with its exporters in this process, retrying quickly (fault tests)."""
+    """An export pipeline with its exporters in this process, retrying quickly and never
+    lingering for a batch to gather (fault tests)."""
     metrics = Metrics()
     runner = ExportRunner(
         spool_dir,
@@ -93,6 +94,7 @@ def inline_pipeline(
         batch_size=batch_size,
         backoff=0.001,
         max_backoff=0.01,
+        linger=0.0,
     )
     spool = SpoolWriter(spool_dir, max_bytes=max_bytes, segment_bytes=segment_bytes)
     return ExportPipeline(runner, metrics, spool), metrics

@@ -124,14 +124,17 @@ def start_upstream(
     return proc, f"http://127.0.0.1:{port}"
 
 
-def trace_proxy_argv(upstream: str, store: Path) -> list[str]:
+def trace_proxy_argv(upstream: str, store: Path, extra: list[str] | None = None) -> list[str]:
     return [sys.executable, "-m", "trace_proxy", "serve", "--upstream", upstream, "--port", "0",
-            "--admin-port", "0", "--output", str(store)]  # fmt: skip
+            "--admin-port", "0", "--output", str(store), *(extra or [])]  # fmt: skip
 
 
-def start_trace_proxy(workdir: Path, upstream: str) -> tuple[Proc, str, str]:
+def start_trace_proxy(
+    workdir: Path, upstream: str, name: str = "trace-proxy", extra: list[str] | None = None
+) -> tuple[Proc, str, str]:
     """Returns the process, its proxy URL and its admin URL (both from its ready line)."""
-    proc = spawn("trace-proxy", trace_proxy_argv(upstream, workdir / "store"), workdir)
+    store = workdir / ("store" if name == "trace-proxy" else f"store-{name}")
+    proc = spawn(name, trace_proxy_argv(upstream, store, extra), workdir)
     match = wait_for_line(proc, r"trace-proxy: forwarding (\S+) -> .*metrics at (\S+)/metrics")
     return proc, match.group(1), match.group(2)
 

@@ -137,6 +137,9 @@ def _findings(rows: list[Row], cells: list[Cell], noise_limit: float) -> list[st
     if versus:
         lines.append(f"- {versus}")
     lines += [f"- {line}" for line in _streaming(cells)]
+    off = _versus_off(rows)
+    if off:
+        lines.append(f"- {off}")
     others = [c.other_cores for c in cells]
     noisy = sum(1 for c in cells if c.other_cores > noise_limit)
     lines.append(
@@ -201,6 +204,21 @@ def _streaming(cells: list[Cell]) -> list[str]:
             f"ms, p99 gap between reads {direct_gap:.3f} ms): " + "; ".join(said) + "."
         )
     return lines
+
+
+def _versus_off(rows: list[Row]) -> str:
+    """The cost of tracing itself: recording everything, or a 10% sample, vs tracing off."""
+    pairs = []
+    for r in rows:
+        off = _same(rows, r, "trace-proxy-off") if r.system == "trace-proxy" else None
+        sampled = _same(rows, r, "trace-proxy-sampled") if r.system == "trace-proxy" else None
+        if off is None or not off.rps:
+            continue
+        said = f"{r.mode}, c={r.concurrency}: 100% kept {r.rps / off.rps:.0%}"
+        if sampled is not None:
+            said += f", 10% kept {sampled.rps / off.rps:.0%}"
+        pairs.append(said)
+    return "Throughput vs tracing off (target >= 90%): " + "; ".join(pairs) + "." if pairs else ""
 
 
 def _versus_litellm(rows: list[Row]) -> str:

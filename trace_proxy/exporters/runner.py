@@ -33,6 +33,7 @@ from trace_proxy.trajectories.record import Record, Trajectory, loads
 log = logging.getLogger(__name__)
 
 PERMANENT = (ExportRejected, TypeError, ValueError, KeyError, AttributeError)
+LINGER = 0.1  # seconds an idle lane waits once woken, so records go out in batches
 Numbered = list[tuple[int, Record]]
 
 
@@ -50,6 +51,7 @@ class _Lane:
         self.replay_until = state.pending  # a crash may have left these exported already
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
+        self.released_at: int | None = None  # the segment the last release() was made from
 
 
 class _Processed:
@@ -104,6 +106,7 @@ class ExportRunner:
         batch_size: int = 64,
         backoff: float = 0.5,
         max_backoff: float = 30.0,
+        linger: float = LINGER,
     ) -> None:
         self.directory = Path(directory)
         self._metrics = metrics
@@ -117,6 +120,9 @@ class ExportRunner:
         self._end = 0  # the spool's end, as last notified
         self._progress = asyncio.Condition()
         self._closing = asyncio.Event()
+        self._linger = linger
+        self._hurry = asyncio.Event()  # set while someone waits in flush(): no lingering
+        self._flushes = 0
 
     @property
     def backends(self) -> list[str]:
@@ -141,9 +147,16 @@ class ExportRunner:
     async def flush(self, end: int | None = None) -> None:
         """Wait until every backend has exported (or counted) every record before `end`."""
         target = self._end if end is None else end
-        self.notify(target)
-        async with self._progress:
-            await self._progress.wait_for(lambda: all(ln.next >= target for ln in self._lanes))
+        self._flushes += 1
+        self._hurry.set()
+        try:
+            self.notify(target)
+            async with self._progress:
+                await self._progress.wait_for(lambda: all(ln.next >= target for ln in self._lanes))
+        finally:
+            self._flushes -= 1
+            if not self._flushes:
+                self._hurry.clear()
 
     async def close(self, timeout: float) -> None:
         """Export what is spooled within `timeout`; what is left stays in the spool for the next
@@ -183,6 +196,10 @@ class ExportRunner:
                 # Look again after a while anyway: the spool is the truth, notices are hints.
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(lane.wake.wait(), 1.0)
+                if lane.wake.is_set() and not self._hurry.is_set():
+                    # Woken from idle: let a batch gather (each batch costs cursor writes).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._hurry.wait(), self._linger)
                 continue
             dropped = self._metrics.export_dropped
             if batch.missing:
@@ -218,7 +235,10 @@ class ExportRunner:
 
     def _commit(self, lane: _Lane) -> None:
         lane.cursor.save(CursorState(lane.next))
-        release(self.directory, self.backends)
+        segment = lane.reader.segment
+        if segment != lane.released_at:  # only a lane leaving a segment can free one
+            release(self.directory, self.backends)
+            lane.released_at = segment
 
     async def _export(self, lane: _Lane, records: list[Record]) -> None:
         loop = asyncio.get_running_loop()

@@ -300,6 +300,11 @@ class SpoolReader:
             batch.next = seq + 1
         return batch
 
+    @property
+    def segment(self) -> int | None:
+        """The first sequence number of the segment being read (None: none open)."""
+        return self._handle.first if self._handle is not None else None
+
     def _skip(self, batch: Batch, to: int) -> None:
         """Records before `to` are gone: damaged lines, or deleted by the budget."""
         if self._damaged:
