@@ -10,6 +10,7 @@ is still recorded, so nothing posted is lost.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -94,24 +95,40 @@ def apply(trajectory: Trajectory, outcome: Outcome) -> None:
 
 class ExportedIndex:
     """The keys of recently exported trajectories, to find the records a late reward is for;
-    looked up by trajectory id, or by (experiment, step, sample_index), then filtered."""
+    looked up by trajectory id, or by (experiment, step, sample_index), then filtered.
 
-    def __init__(self, limit: int = 200_000) -> None:
+    Kept small, as it holds an entry per exported trajectory: the key without its `sources`,
+    and a lookup maps to one record id (a set only when several share it). About 250 bytes
+    an entry; `limit` entries at most (the oldest go first).
+    """
+
+    def __init__(self, limit: int = 100_000) -> None:
         self._limit = limit
         self._keys: OrderedDict[str, RolloutKey] = OrderedDict()  # record id -> key
-        self._by_lookup: dict[tuple[Any, ...], set[str]] = {}
+        self._by_lookup: dict[tuple[Any, ...], str | set[str]] = {}
 
     def add(self, trajectory: Trajectory) -> None:
-        self._keys[trajectory.id] = trajectory.key
-        for lookup in _lookups(trajectory.key):
-            self._by_lookup.setdefault(lookup, set()).add(trajectory.id)
+        key = trajectory.key
+        if key.sources:
+            key = dataclasses.replace(key, sources=_NO_SOURCES)
+        self._keys[trajectory.id] = key
+        for lookup in _lookups(key):
+            known = self._by_lookup.get(lookup)
+            if known is None:
+                self._by_lookup[lookup] = trajectory.id
+            elif isinstance(known, set):
+                known.add(trajectory.id)
+            elif known != trajectory.id:
+                self._by_lookup[lookup] = {known, trajectory.id}
         while len(self._keys) > self._limit:
-            record_id, key = self._keys.popitem(last=False)
-            for lookup in _lookups(key):
-                ids = self._by_lookup.get(lookup)
-                if ids is not None:
-                    ids.discard(record_id)
-                    if not ids:
+            record_id, old = self._keys.popitem(last=False)
+            for lookup in _lookups(old):
+                known = self._by_lookup.get(lookup)
+                if known == record_id:
+                    del self._by_lookup[lookup]
+                elif isinstance(known, set):
+                    known.discard(record_id)
+                    if not known:
                         del self._by_lookup[lookup]
 
     def find(self, target: Mapping[str, Any]) -> list[tuple[str, RolloutKey]]:
@@ -126,8 +143,12 @@ class ExportedIndex:
             )
             if lookup[1] is None or lookup[2] is None:  # not narrowed: filter them all
                 return [(r, k) for r, k in self._keys.items() if matches(k, target)]
-        ids = self._by_lookup.get(lookup, set())
+        known = self._by_lookup.get(lookup)
+        ids = {known} if isinstance(known, str) else known or set()
         return [(r, self._keys[r]) for r in sorted(ids) if matches(self._keys[r], target)]
+
+
+_NO_SOURCES: dict[str, str] = {}
 
 
 def _lookups(key: RolloutKey) -> list[tuple[Any, ...]]:
