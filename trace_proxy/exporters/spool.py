@@ -165,6 +165,7 @@ class SpoolWriter:
         self._size = 0  # bytes in the active segment
         self._synced = time.monotonic()
         self.next_seq = self._recover()
+        self._used = self.used_bytes  # an upper bound, kept by _make_room
 
     def _recover(self) -> int:
         """Cut a torn tail and find where numbering resumes (never behind any cursor)."""
@@ -235,15 +236,23 @@ class SpoolWriter:
         self._size = 0
 
     def _make_room(self, incoming: int) -> None:
-        """Delete the oldest segments (finished ones first) until the batch fits the budget."""
+        """Delete the oldest segments (finished ones first) until the batch fits the budget.
+
+        `_used` only grows here (the readers' releases shrink the real size), so the directory
+        is looked at only when the estimate says the budget may be exceeded."""
+        if self._used + incoming <= self.max_bytes:
+            self._used += incoming
+            return
         found = segments(self.directory)
         used = sum(_size(path) for _, path in found)
+        self._used = used + incoming
         if used + incoming <= self.max_bytes:
             return
         for _, path in found[:-1]:
             used -= _size(path)
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
+            self._used = used + incoming
             if used + incoming <= self.max_bytes:
                 return
         if incoming > self.max_bytes:
@@ -253,6 +262,7 @@ class SpoolWriter:
             self._rotate(self.next_seq)
             with contextlib.suppress(FileNotFoundError):
                 found[-1][1].unlink()
+        self._used = incoming
 
 
 # --- reading ---------------------------------------------------------------------------------
@@ -274,11 +284,11 @@ class SpoolReader:
         self._handle: _Segment | None = None
         self._damaged = False
 
-    def read(self, start: int, limit: int, end: int | None = None) -> Batch:
-        """Up to `limit` complete records from `start` on (before `end` if given)."""
+    def read(self, start: int, limit: int) -> Batch:
+        """Up to `limit` complete records from `start` on."""
         batch = Batch([], start)
         self._damaged = False
-        while len(batch.records) < limit and (end is None or batch.next < end):
+        while len(batch.records) < limit:
             handle = self._segment_for(batch)
             if handle is None:
                 break
