@@ -128,6 +128,10 @@ class ExportProcess:
             with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
                 await asyncio.wait_for(asyncio.shield(self._stopped), timeout + 30)
         await self._reap()
+        for _, future in self._flushes.values():  # nobody is left to answer them
+            if not future.done():
+                future.set_exception(RuntimeError("the export process has stopped"))
+        self._flushes.clear()
 
     # --- the child's lifecycle ---
 
