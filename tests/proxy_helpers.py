@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+from fakes.serving import serve_app
 
 from trace_proxy.config import Settings
 from trace_proxy.exporters.pipeline import ExportPipeline
@@ -43,15 +44,8 @@ async def scripted_upstream(
     """A one-handler upstream for fault injection (slow, silent, broken): every path, any method."""
     app = web.Application(client_max_size=1 << 30)
     app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serve_app(app, handler_cancellation=True) as url:
+        yield url
 
 
 def trajectories(output: Path) -> list[dict[str, Any]]:

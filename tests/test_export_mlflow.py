@@ -19,7 +19,7 @@ import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
@@ -102,6 +102,54 @@ def key(step: int, sample: int, trajectory: str) -> dict[str, str]:
             "X-Rollout-Trajectory-Id": trajectory}  # fmt: skip
 
 
+class Sent(NamedTuple):
+    """What rollouts_a_and_b sent and got back."""
+
+    messages: list[dict[str, Any]]  # A's conversation, up to its tool result
+    message: dict[str, Any]  # A's first answer, with its tool call
+    tool_call: dict[str, Any]
+    ids: list[int]  # B's second prompt
+    first: list[int]  # B's outputs
+    second: list[int]
+
+
+async def rollouts_a_and_b(
+    http: aiohttp.ClientSession, proxy: str, service: ProxyService, qwen_tokenizer: Any
+) -> Sent:
+    """A: a chat rollout with a tool call, and a reward while it is open; B: two turns of
+    token ids, the second extending the first."""
+    assert service.addresses is not None and service.addresses.admin is not None
+    admin = service.addresses.admin
+    done = {"X-Rollout-Done": "true"}
+    # A: chat with a tool call, and a reward while it is open.
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 40}
+    async with http.post(proxy + "/v1/chat/completions", json=body,
+                         headers=key(1, 0, "a")) as response:  # fmt: skip
+        message = (await response.json())["choices"][0]["message"]
+    await service.capture.drain()
+    await asyncio.to_thread(post_reward, admin, reward=1.0, labels={"correct": True},
+                            trajectory_id="a")  # fmt: skip
+    [tool_call] = message["tool_calls"]
+    messages += [message, {"role": "tool", "tool_call_id": tool_call["id"], "content": "18C"}]
+    body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 6}
+    async with http.post(proxy + "/v1/chat/completions", json=body,
+                         headers={**key(1, 0, "a"), **done}) as response:  # fmt: skip
+        assert response.status == 200
+    # B: token ids, two turns (the second extends the first), and a late score.
+    ids = qwen_tokenizer.encode(CHATML)
+    body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
+    async with http.post(proxy + "/v1/completions", json=body,
+                         headers=key(1, 1, "b")) as response:  # fmt: skip
+        first = (await response.json())["choices"][0]["token_ids"]
+    ids = ids + first + qwen_tokenizer.encode(MORE)
+    body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
+    async with http.post(proxy + "/v1/completions", json=body,
+                         headers={**key(1, 1, "b"), **done}) as response:  # fmt: skip
+        second = (await response.json())["choices"][0]["token_ids"]
+    return Sent(messages, message, tool_call, ids, first, second)
+
+
 async def test_trajectories_round_trip_through_mlflow(
     fake_vllm: tuple[FakeVLLM, str], qwen_tokenizer: Any, tmp_path: Path, tracking_uri: str
 ) -> None:
@@ -116,32 +164,8 @@ async def test_trajectories_round_trip_through_mlflow(
     ):
         assert service.addresses is not None and service.addresses.admin is not None
         admin = service.addresses.admin
-        # A: chat with a tool call, and a reward while it is open.
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
-        body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 40}
-        async with http.post(proxy + "/v1/chat/completions", json=body,
-                             headers=key(1, 0, "a")) as response:  # fmt: skip
-            message = (await response.json())["choices"][0]["message"]
-        await service.capture.drain()
-        await asyncio.to_thread(post_reward, admin, reward=1.0, labels={"correct": True},
-                                trajectory_id="a")  # fmt: skip
-        [tool_call] = message["tool_calls"]
-        messages += [message, {"role": "tool", "tool_call_id": tool_call["id"], "content": "18C"}]
-        body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 6}
-        async with http.post(proxy + "/v1/chat/completions", json=body,
-                             headers={**key(1, 0, "a"), **done}) as response:  # fmt: skip
-            assert response.status == 200
-        # B: token ids, two turns (the second extends the first), and a late score.
-        ids = qwen_tokenizer.encode(CHATML)
-        body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
-        async with http.post(proxy + "/v1/completions", json=body,
-                             headers=key(1, 1, "b")) as response:  # fmt: skip
-            first = (await response.json())["choices"][0]["token_ids"]
-        ids = ids + first + qwen_tokenizer.encode(MORE)
-        body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
-        async with http.post(proxy + "/v1/completions", json=body,
-                             headers={**key(1, 1, "b"), **done}) as response:  # fmt: skip
-            second = (await response.json())["choices"][0]["token_ids"]
+        sent = await rollouts_a_and_b(http, proxy, service, qwen_tokenizer)
+        messages, message, tool_call, ids, first, second = sent
         # C: another step.
         body = {"model": "tiny-qwen", "prompt": "Hello", "max_tokens": 3}
         async with http.post(proxy + "/v1/completions", json=body,
@@ -443,39 +467,14 @@ async def test_http_path_exports_recorded_trajectories_over_otlp(
     exporter = MlflowExporter(url, "rl-project", None)
     settings = {"project": "rl-project", "token2text": True,
                 "tokenizer": [str(ensure_qwen_tokenizer())]}  # fmt: skip
-    done = {"X-Rollout-Done": "true"}
     async with (
         proxy_with(upstream, tmp_path, exporter, **settings) as (service, proxy),
         aiohttp.ClientSession() as http,
     ):
         assert service.addresses is not None and service.addresses.admin is not None
         admin = service.addresses.admin
-        # A: chat with a tool call, and a reward while it is open.
-        messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
-        body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 40}
-        async with http.post(proxy + "/v1/chat/completions", json=body,
-                             headers=key(1, 0, "a")) as response:  # fmt: skip
-            message = (await response.json())["choices"][0]["message"]
-        await service.capture.drain()
-        await asyncio.to_thread(post_reward, admin, reward=1.0, labels={"correct": True},
-                                trajectory_id="a")  # fmt: skip
-        [tool_call] = message["tool_calls"]
-        messages += [message, {"role": "tool", "tool_call_id": tool_call["id"], "content": "18C"}]
-        body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 6}
-        async with http.post(proxy + "/v1/chat/completions", json=body,
-                             headers={**key(1, 0, "a"), **done}) as response:  # fmt: skip
-            assert response.status == 200
-        # B: token ids, two turns (the second extends the first), and a late score.
-        ids = qwen_tokenizer.encode(CHATML)
-        body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
-        async with http.post(proxy + "/v1/completions", json=body,
-                             headers=key(1, 1, "b")) as response:  # fmt: skip
-            first = (await response.json())["choices"][0]["token_ids"]
-        ids = ids + first + qwen_tokenizer.encode(MORE)
-        body = {"model": "tiny-qwen", "prompt": ids, "max_tokens": 4, "return_token_ids": True}
-        async with http.post(proxy + "/v1/completions", json=body,
-                             headers={**key(1, 1, "b"), **done}) as response:  # fmt: skip
-            second = (await response.json())["choices"][0]["token_ids"]
+        sent = await rollouts_a_and_b(http, proxy, service, qwen_tokenizer)
+        messages, message, tool_call, ids, first, second = sent
         await service.capture.drain()
         await service.pipeline.flush()
         assert await asyncio.to_thread(post_reward, admin, score=0.5, trajectory_id="b") == (

@@ -88,6 +88,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Status
 
+from fakes.serving import serve_app
+
 VERSION = "3.17.2"  # what `GET /version` answers: the client this fake follows
 API = "/api/2.0/mlflow"
 API3 = "/api/3.0/mlflow"
@@ -347,15 +349,8 @@ class FakeMlflowServer:
 
     @contextlib.asynccontextmanager
     async def serve(self) -> AsyncIterator[str]:
-        runner = web.AppRunner(self.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
+        async with serve_app(self.app()) as url:
+            yield url
 
     def _recorded(self, request: web.Request, body: Any) -> Recorded:
         recorded = Recorded(

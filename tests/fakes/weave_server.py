@@ -36,6 +36,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from fakes.serving import serve_app
+
 # Weave decides when first imported whether it reports errors to Sentry: never from a test.
 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 from weave.trace.serialization.digest import compute_file_digest, compute_object_digest
@@ -70,15 +72,8 @@ class FakeWeaveServer:
 
     @contextlib.asynccontextmanager
     async def serve(self) -> AsyncIterator[str]:
-        runner = web.AppRunner(self.app(), access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            await runner.cleanup()
+        async with serve_app(self.app()) as url:
+            yield url
 
     def paths(self) -> list[str]:
         return [f"{r.method} {r.path}" for r in self.requests]
