@@ -25,7 +25,13 @@ import aiohttp
 import pytest
 from fakes import FakeVLLM
 from groundtruth.clients import Sampling, read_vllm_generate, vllm_generate_body
-from groundtruth.tooling import TOOLS, execute, parse_tool_calls, tool_results_suffix
+from groundtruth.tooling import (
+    TOOLS,
+    chat_tool_rollout,
+    execute,
+    parse_tool_calls,
+    tool_results_suffix,
+)
 from proxy_helpers import trajectories
 
 from trace_proxy.client import post_reward
@@ -143,23 +149,9 @@ async def test_chat_tool_rollout_is_one_trace_with_the_whole_conversation(
         {"role": "system", "content": "You are a careful assistant."},
         {"role": "user", "content": "What is the weather in Paris and in Oslo right now?"},
     ]
-    replies = []
     async with running(upstream, tmp_path / "out", project, trackio_dir) as (service, proxy):
         async with aiohttp.ClientSession(headers=headers) as session:
-            for _ in range(6):
-                body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS}
-                async with session.post(proxy + "/v1/chat/completions", json=body) as response:
-                    assert response.status == 200
-                    reply = (await response.json())["choices"][0]["message"]
-                replies.append(reply)
-                if not reply.get("tool_calls"):
-                    break
-                messages.append(reply)
-                messages += [
-                    {"role": "tool", "tool_call_id": c["id"],
-                     "content": execute(c["function"]["name"], c["function"]["arguments"])}
-                    for c in reply["tool_calls"]
-                ]  # fmt: skip
+            _, replies = await chat_tool_rollout(session, proxy, messages)
         await service.capture.drain()
         assert service.addresses is not None and service.addresses.admin is not None
         where = await asyncio.to_thread(

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 from fakes import FakeVLLM
-from groundtruth.tooling import TOOLS, execute
+from groundtruth.tooling import TOOLS, chat_tool_rollout
 from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.client import post_reward
@@ -89,25 +89,11 @@ async def test_chat_tool_rollout_is_one_call_tree(
     messages: list[dict[str, Any]] = [
         {"role": "user", "content": "What is the weather in Paris and in Oslo right now?"}
     ]
-    asked: list[list[dict[str, Any]]] = []  # the messages of each request, as sent
     fake = FakeWeaveServer()
     async with fake.serve() as weave_url:
         async with running(upstream, tmp_path / "out", weave_url) as (service, proxy):
             async with aiohttp.ClientSession(headers=headers) as session:
-                for _ in range(6):
-                    asked.append(list(messages))
-                    body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS}
-                    async with session.post(proxy + "/v1/chat/completions", json=body) as resp:
-                        assert resp.status == 200
-                        reply = (await resp.json())["choices"][0]["message"]
-                    if not reply.get("tool_calls"):
-                        break
-                    messages.append(reply)
-                    messages += [
-                        {"role": "tool", "tool_call_id": c["id"],
-                         "content": execute(c["function"]["name"], c["function"]["arguments"])}
-                        for c in reply["tool_calls"]
-                    ]  # fmt: skip
+                asked, _ = await chat_tool_rollout(session, proxy, messages)
             await service.capture.drain()
             assert service.addresses is not None and service.addresses.admin is not None
             await asyncio.to_thread(

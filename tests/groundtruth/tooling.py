@@ -14,6 +14,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import orjson
 
 ERROR_PREFIX = "Error when executing tool: "
@@ -114,3 +115,29 @@ def tool_results_suffix(results: list[str], response_ended: bool) -> str:
     blocks = "".join(f"\n<tool_response>\n{r}\n</tool_response>" for r in results)
     head = "\n" if response_ended else f"{IM_END}\n"
     return f"{head}<|im_start|>user{blocks}{IM_END}\n<|im_start|>assistant\n"
+
+
+async def chat_tool_rollout(
+    session: aiohttp.ClientSession, proxy: str, messages: list[dict[str, Any]], max_turns: int = 6
+) -> tuple[list[list[dict[str, Any]]], list[dict[str, Any]]]:
+    """An OpenAI-client agent: chat with TOOLS, run each requested tool, send its result back,
+    until an answer without tool calls. Returns the messages of each request as sent, and each
+    reply; `messages` ends as the whole conversation before the last reply."""
+    asked: list[list[dict[str, Any]]] = []
+    replies: list[dict[str, Any]] = []
+    for _ in range(max_turns):
+        asked.append(list(messages))
+        body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS}
+        async with session.post(proxy + "/v1/chat/completions", json=body) as response:
+            assert response.status == 200
+            reply = (await response.json())["choices"][0]["message"]
+        replies.append(reply)
+        if not reply.get("tool_calls"):
+            break
+        messages.append(reply)
+        messages += [
+            {"role": "tool", "tool_call_id": c["id"],
+             "content": execute(c["function"]["name"], c["function"]["arguments"])}
+            for c in reply["tool_calls"]
+        ]  # fmt: skip
+    return asked, replies
