@@ -51,7 +51,9 @@ async def test_records_go_out_through_the_export_process_and_it_is_replaced_when
         async with session.get(admin + "/metrics") as response:
             text = await response.text()
         assert 'trace_proxy_exported_records_total{backend="jsonl"} 5.0' in text
-        assert os.getpid() != exports.pid
+        assert exports.pid is not None and os.getpid() != exports.pid
+        # Exporting only takes CPU time that forwarding does not want (--export-priority idle).
+        assert os.sched_getscheduler(exports.pid) == os.SCHED_IDLE
 
         os.kill(exports.pid, signal.SIGKILL)
         await rollouts(session, proxy, step=2, count=5)
@@ -62,6 +64,19 @@ async def test_records_go_out_through_the_export_process_and_it_is_replaced_when
         )
         assert restarts == 1
     assert keys(tmp_path) == [(step, i) for step in (1, 2) for i in range(5)]  # once each
+
+
+async def test_export_priority_normal_runs_the_export_process_as_the_proxy(
+    tmp_path: Path,
+) -> None:
+    async with running_proxy(["http://127.0.0.1:9"], tmp_path, export_priority="normal") as (
+        service,
+        _,
+    ):
+        exports = service.pipeline.exports
+        assert isinstance(exports, ExportProcess) and exports.pid is not None
+        assert os.sched_getscheduler(exports.pid) == os.sched_getscheduler(0)
+        assert os.getpriority(os.PRIO_PROCESS, exports.pid) == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 async def test_a_backend_that_cannot_start_is_a_start_up_error(tmp_path: Path) -> None:

@@ -88,6 +88,13 @@ def parse_export_mode(value: Any) -> str:
     return mode
 
 
+def parse_export_priority(value: Any) -> str:
+    priority = parse_str(value).lower()
+    if priority not in ("idle", "low", "normal"):
+        raise ValueError(f"{value!r} is not one of: idle, low, normal")
+    return priority
+
+
 def parse_optional_seconds(value: Any) -> float | None:
     """Seconds, or none/off/0 for 'no limit' (generations can run for minutes)."""
     if value is None or (isinstance(value, str) and value.lower() in ("", "none", "off", "0")):
@@ -319,6 +326,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("export_mode", parse_export_mode, "process", "run the exporters in their own process "
            "(process), so they never take CPU time from forwarding, or in the proxy's (inline)",
            metavar="MODE", commands=("serve", "demo")),
+    Option("export_priority", parse_export_priority, "idle", "CPU priority of the export "
+           "process: idle (only CPU time nothing else wants: exporting never slows forwarding, "
+           "but waits while the cores are saturated), low (nice 19) or normal",
+           metavar="PRIORITY", commands=("serve", "demo")),
     Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
            metavar="LEVEL", commands=("serve", "demo")),
 )  # fmt: skip
@@ -367,6 +378,7 @@ class Settings:
     spool_fsync: float = 1.0
     export_queue: int = 10000
     export_mode: str = "process"
+    export_priority: str = "idle"
     log_level: str = "INFO"
 
 

@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 300.0  # loading tokenizers and SDKs on a cold machine
 METRICS_EVERY = 1.0
 RESTART_DELAY = 1.0
-EXPORT_NICENESS = 19  # where SCHED_IDLE is not available
+EXPORT_NICENESS = 19  # --export-priority low, or idle where SCHED_IDLE is missing
 
 
 async def _create_runner(
@@ -236,7 +236,7 @@ def main(fd: int) -> None:
     settings, spool_dir = pickle.loads(_receive(sock))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when exporting stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _yield_cpu()
+    _lower_priority(settings.export_priority)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("trace_proxy").setLevel(settings.log_level)
     try:
@@ -326,12 +326,17 @@ async def _discover(
     send({"op": "discovered"})
 
 
-def _yield_cpu() -> None:
-    """Run only on CPU time nothing else wants (Linux SCHED_IDLE, inherited by every thread
-    made after this), else at the lowest priority: exporting may lag, forwarding may not."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
+def _lower_priority(priority: str) -> None:
+    """idle: run only on CPU time nothing else wants (Linux SCHED_IDLE, inherited by every
+    thread made after this; nice 19 where it is missing); low: nice 19; normal: as the proxy.
+    Exporting may lag, forwarding may not."""
+    if priority == "idle":
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
+    if priority in ("idle", "low"):
         with contextlib.suppress(OSError):
             os.nice(EXPORT_NICENESS)
 
