@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from multidict import CIMultiDictProxy
+from multidict import CIMultiDictProxy, MultiMapping
 
 
 @dataclass(slots=True)
@@ -22,7 +22,7 @@ class Exchange:
     start: float
     request_body: bytes = b""
     status: int | None = None
-    response_headers: CIMultiDictProxy[str] | None = None
+    response_headers: MultiMapping[str] | None = None
     response_chunks: list[bytes] = field(default_factory=list)
     first_byte: float | None = None
     end: float | None = None

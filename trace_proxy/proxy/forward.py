@@ -9,25 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 
-import aiohttp
 import orjson
 from aiohttp import StreamReader, web
 from prometheus_client import Counter, Gauge
-from yarl import URL
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import PATH_PREFIX, MetadataResolver, split_rollout_prefix
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.metrics import Metrics
 from trace_proxy.proxy.headers import (
-    SKIP_AUTO_HEADERS,
     client_response_headers,
     upstream_request_headers,
 )
+from trace_proxy.proxy.upstream_client import UpstreamClient, UpstreamConnection, UpstreamError
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -38,22 +35,20 @@ class Forwarder:
     def __init__(
         self,
         pool: UpstreamPool,
-        session: aiohttp.ClientSession,
+        client: UpstreamClient,
         resolver: MetadataResolver,
         submit: Callable[[Exchange], None],
         admit: Callable[[Exchange], bool],
         metrics: Metrics,
-        timeout: aiohttp.ClientTimeout,
         tool_routes: dict[str, Upstream] | None = None,
     ) -> None:
         self._tool_routes = tool_routes or {}
         self._pool = pool
-        self._session = session
+        self._client = client
         self._resolver = resolver
         self._submit = submit
         self._admit = admit
         self._metrics = metrics
-        self._timeout = timeout
         # Metric children, looked up once rather than per request.
         self._in_flight: dict[str, Gauge] = {}
         self._requests: dict[tuple[str, str], Counter] = {}
@@ -122,48 +117,43 @@ class Forwarder:
         headers = upstream_request_headers(
             list(request.headers.items()), request.remote, request.scheme, request.host
         )
-        url = URL(upstream.base + target, encoded=True)
         response: web.StreamResponse | None = None
+        upstream_response: UpstreamConnection | None = None
         try:
-            async with self._session.request(
-                request.method,
-                url,
-                headers=headers,
-                data=body,
-                allow_redirects=False,
-                skip_auto_headers=SKIP_AUTO_HEADERS,
-                timeout=self._timeout,
-            ) as upstream_response:
-                response = web.StreamResponse(
-                    status=upstream_response.status,
-                    reason=upstream_response.reason,
-                    headers=client_response_headers(list(upstream_response.headers.items())),
-                )
-                await response.prepare(request)
-                first_byte = time.time()
-                self._metrics.added_latency.observe(first_byte - start)
-                chunks = exchange.response_chunks if exchange is not None else None
-                if exchange is not None:
-                    exchange.status = upstream_response.status
-                    exchange.response_headers = upstream_response.headers
-                    exchange.first_byte = first_byte
-                async for chunk in upstream_response.content.iter_any():
-                    if chunks is not None:
-                        chunks.append(chunk)
-                    await response.write(chunk)
-                await response.write_eof()
+            upstream_response = await self._client.request(
+                upstream.base, request.method, target, headers.items(), body
+            )
+            status = upstream_response.status
+            response = web.StreamResponse(
+                status=status,
+                reason=upstream_response.reason or None,
+                headers=client_response_headers(list(upstream_response.headers.items())),
+            )
+            await response.prepare(request)
+            first_byte = time.time()
+            self._metrics.added_latency.observe(first_byte - start)
+            chunks = exchange.response_chunks if exchange is not None else None
+            if exchange is not None:
+                exchange.status = status
+                exchange.response_headers = upstream_response.headers
+                exchange.first_byte = first_byte
+            read = upstream_response.read
+            while chunk := await read():
+                if chunks is not None:
+                    chunks.append(chunk)
+                await response.write(chunk)
+            await response.write_eof()
         except asyncio.CancelledError:
             self._note(exchange, kind, "client disconnected", None)
             raise
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError) as exc:
-            if response is not None and _client_gone(request):
-                self._note(exchange, kind, "client disconnected", None)
-                raise asyncio.CancelledError from exc
-            return self._fail(request, response, exchange, kind, upstream, 502, "reset", exc)
-        except (asyncio.TimeoutError, aiohttp.ServerTimeoutError) as exc:
-            return self._fail(request, response, exchange, kind, upstream, 504, "timeout", exc)
-        except aiohttp.ClientError as exc:
-            return self._fail(request, response, exchange, kind, upstream, 502, "unreachable", exc)
+        except UpstreamError as exc:
+            return self._fail(request, response, exchange, kind, upstream, exc)
+        except ConnectionResetError as exc:  # writing to a client that has left
+            self._note(exchange, kind, "client disconnected", None)
+            raise asyncio.CancelledError from exc
+        finally:
+            if upstream_response is not None:
+                upstream_response.release()
         self._note(exchange, kind, None, response.status)
         return response
 
@@ -188,11 +178,10 @@ class Forwarder:
         exchange: Exchange | None,
         kind: RouteKind,
         upstream: Upstream,
-        status: int,
-        cause: str,
-        exc: BaseException,
+        exc: UpstreamError,
     ) -> web.StreamResponse:
-        detail = _describe(exc)
+        cause, detail = exc.cause, exc.detail
+        status = 504 if cause == "timeout" else 502
         self._metrics.upstream_errors.labels(upstream.base, cause).inc()
         log.warning("%s %s -> %s: %s", request.method, request.path, upstream.base, detail)
         if response is not None:
@@ -250,14 +239,3 @@ _CAUSE_TEXT = {
     "timeout": "timed out",
     "reset": "reset the connection",
 }
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, aiohttp.ClientConnectorError) and exc.os_error.errno:
-        return os.strerror(exc.os_error.errno)  # "Connection refused", not the socket repr
-    return str(exc) or type(exc).__name__
-
-
-def _client_gone(request: web.BaseRequest) -> bool:
-    transport = request.transport
-    return transport is None or transport.is_closing()

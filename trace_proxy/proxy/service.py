@@ -31,6 +31,7 @@ from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolWriter
 from trace_proxy.metrics import ExportMetrics, Metrics
 from trace_proxy.proxy.forward import Forwarder
+from trace_proxy.proxy.upstream_client import UpstreamClient
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
@@ -97,6 +98,7 @@ class ProxyService:
         self.token2text: Token2Text | None = None  # inline exporting only
         self.tokenizer_discovery: asyncio.Future[None] | None = None  # once upstreams answered
         self._session: aiohttp.ClientSession | None = None
+        self._client: UpstreamClient | None = None
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.addresses: Addresses | None = None
@@ -139,29 +141,18 @@ class ProxyService:
                 on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
             )
             self._inline.add_processor(self.token2text)
-        connector = aiohttp.TCPConnector(
-            limit=0, keepalive_timeout=60, ttl_dns_cache=300, enable_cleanup_closed=True
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            auto_decompress=False,  # bytes go back exactly as the upstream sent them
-            cookie_jar=aiohttp.DummyCookieJar(),  # never keep a client's cookies
-            read_bufsize=1 << 18,
-        )
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=settings.connect_timeout, sock_read=settings.read_timeout
-        )
+        self._client = UpstreamClient(settings.connect_timeout, settings.read_timeout)
         forwarder = Forwarder(
             self.pool,
-            self._session,
+            self._client,
             self.resolver,
             self.capture.submit,
             self.capture.admit,
             self.metrics,
-            timeout,
             tool_routes=self.tool_routes,
         )
         if self.token2text is not None and self.token2text.tokenizers.empty:
+            self._session = aiohttp.ClientSession()  # discovery only, off the hot path
             self.tokenizer_discovery = asyncio.get_running_loop().create_task(
                 discover_tokenizers(
                     self._session,
@@ -202,6 +193,8 @@ class ProxyService:
             await self._runner.cleanup()  # stops accepting, then waits for in-flight requests
         await self.capture.stop()
         await self.pipeline.close(self.settings.shutdown_grace)
+        if self._client is not None:
+            await self._client.close()
         if self._session is not None:
             await self._session.close()
         if self._admin_runner is not None:
