@@ -50,7 +50,7 @@ from benchlib.procs import (
 from benchlib.recording import accounted_calls, read_store, scrape, wait_drained
 from benchlib.report import DIRECT, Cell, Checks, aggregate, results_table
 from benchlib.results import render
-from benchlib.workload import PATH, UNRECORDED_PATH
+from benchlib.workload import PATH, UNRECORDED_PATH, parse_mode
 
 TRACE_PROXY = check.TRACE_PROXY
 UNRECORDED = check.UNRECORDED  # trace-proxy on a route it does not record: forwarding alone
@@ -60,8 +60,10 @@ SAMPLED = "trace-proxy-sampled"  # keeps 10% of the samples: the rest refused on
 OFF = "trace-proxy-off"  # keeps none (--max-samples-per-step 0): tracing off, forwarding on
 VARIANTS = {SAMPLED: ["--sample-rate", "0.1"], OFF: ["--max-samples-per-step", "0"]}
 SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, NGINX, LITELLM)
-MODES = ("json", "sse")
+MODES = ("json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s")
+OPEN_LOOP_IN_FLIGHT = 512  # an open-loop cell's cap on requests in flight
 DRAIN_TIMEOUT = 120.0
+LOAD_TIMEOUT = 120.0  # per request: 512 in flight with 32k-token prompts is slow through a peer
 QUIET_WAIT = 60.0  # seconds a run may spend in all waiting for other processes to calm down
 QUIET_SAMPLE = 0.25
 MAX_RERUNS_PER_CELL = 2  # a long burst next door should not eat the whole re-run budget
@@ -92,13 +94,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=100_000,
         help="at most this many measured requests per cell (ends a cell early) [100000]",
     )
-    add("--concurrency", type=_ints, default=[1, 64], help="closed-loop concurrencies [1,64]")
+    add(
+        "--concurrency",
+        type=_ints,
+        default=[1, 64, 512],
+        help="closed-loop concurrencies [1,64,512]",
+    )
     add("--rounds", type=int, default=3, help="rounds; the order of systems rotates [3]")
     add(
         "--modes",
-        type=_choices(MODES),
+        type=_modes,
         default=list(MODES),
-        help="json (plain responses) and/or sse (streamed) [json,sse]",
+        help="json (plain responses) or sse (streamed), with -8k or -32k for longer prompts\n"
+        "(1k ids otherwise) and @RATE/s for an open loop at that fixed request rate\n"
+        f"(at most {OPEN_LOOP_IN_FLIGHT} in flight) [{','.join(MODES)}]",
     )
     add(
         "--systems",
@@ -170,6 +179,14 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text!r}") from None
 
 
+def _modes(text: str) -> list[str]:
+    values = [part.strip() for part in text.split(",") if part.strip()]
+    try:
+        return [parse_mode(value).name for value in values or ["?"]]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     def parse(text: str) -> list[str]:
         values = [part.strip() for part in text.split(",") if part.strip()]
@@ -183,7 +200,10 @@ def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
 
 def start_all(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> Running:
     """Start upstream and proxies; the stack stops them even if the run fails."""
-    upstream, upstream_url = start_upstream(workdir, args.turns, args.seed, args.chunk_interval_ms)
+    sizes = sorted({parse_mode(mode).prompt_tokens for mode in args.modes})
+    upstream, upstream_url = start_upstream(
+        workdir, args.turns, args.seed, args.chunk_interval_ms, sizes
+    )
     stack.callback(upstream.stop)
     running = Running(upstream, {DIRECT: upstream_url})
     if TRACE_PROXY in args.systems or UNRECORDED in args.systems:
@@ -219,9 +239,13 @@ def run_load(
             "--duration", str(args.duration), "--max-requests", str(args.requests),
             "--turns", str(args.turns), "--step", str(step), "--seed", str(args.seed),
             "--think", str(args.think_ms / 1000)]  # fmt: skip
-    if mode == "sse":
+    spec = parse_mode(mode)
+    argv += ["--prompt-tokens", str(spec.prompt_tokens), "--timeout", str(LOAD_TIMEOUT)]
+    if spec.stream:
         argv.append("--stream")
-    timeout = args.warmup + args.duration + 120
+    if spec.rate is not None:
+        argv += ["--rate", str(spec.rate)]
+    timeout = args.warmup + args.duration + LOAD_TIMEOUT + 60
     result = subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=BENCH_DIR
     )
@@ -286,15 +310,20 @@ def run_rounds(args: argparse.Namespace, running: Running) -> tuple[list[Cell], 
     kept: list[Cell] = []
     every: list[Cell] = []
     budget = Budget(args.retries)
-    total = args.rounds * len(args.modes) * len(args.concurrency) * len(args.systems)
+    total = args.rounds * sum(len(_loads(args, m)) for m in args.modes) * len(args.systems)
     for round_ in range(1, args.rounds + 1):
         shift = (round_ - 1) % len(args.systems)
         order = args.systems[shift:] + args.systems[:shift]
-        slots = [(m, c, s) for m in args.modes for c in args.concurrency for s in order]
+        slots = [(m, c, s) for m in args.modes for c in _loads(args, m) for s in order]
         for mode, concurrency, system in slots:
             where = (round_, mode, concurrency, system)
             kept.append(run_slot(args, running, where, every, budget, (len(kept) + 1, total)))
     return kept, every
+
+
+def _loads(args: argparse.Namespace, mode: str) -> list[int]:
+    """Closed-loop modes run at each concurrency; an open-loop one once, under its cap."""
+    return [OPEN_LOOP_IN_FLIGHT] if parse_mode(mode).rate is not None else args.concurrency
 
 
 def run_slot(
@@ -367,8 +396,11 @@ def finish(
         check.check_proxy_metrics(scrape(running.admin_url), cells, checks)
         code, seconds = running.proxies[TRACE_PROXY].stop()
         check.check_exit(TRACE_PROXY, code, seconds, checks)
-        stream_steps = {c.step for c in cells if c.system == TRACE_PROXY and c.mode == "sse"}
-        store = read_store(workdir / "store", args.turns, args.seed, stream_steps)
+        stream_steps = {
+            c.step for c in cells if c.system == TRACE_PROXY and parse_mode(c.mode).stream
+        }
+        sizes = {parse_mode(mode).prompt_tokens for mode in args.modes}
+        store = read_store(workdir / "store", args.turns, args.seed, stream_steps, sizes)
         check.check_store(store, cells, checks)
         check.check_log(TRACE_PROXY, running.proxies[TRACE_PROXY].log, checks)
     if NGINX in running.proxies:

@@ -16,6 +16,8 @@ from fakes import FakeSGLang, FakeVLLM, StartFake
 from openai import AsyncOpenAI
 from proxy_helpers import all_calls, events, running_proxy, trajectories
 
+from trace_proxy.capture.dialects.common import as_int_list
+
 Json = dict[str, Any]
 TOOLS = [
     {
@@ -374,3 +376,22 @@ async def test_path_prefix_and_baggage_through_the_proxy(
     assert path_key["sources"]["step"] == "path"
     assert (baggage_key["step"], baggage_key["rollout_n"]) == (5, 0)
     assert baggage_key["sources"]["step"] == "baggage:rollout.step"
+
+
+@pytest.mark.parametrize(
+    ("value", "is_token_ids"),
+    [
+        ([3, 1, 4], True),
+        ([], True),
+        ([1, 2.0], False),
+        ([1.0], False),
+        ([1, "2"], False),
+        ([1, None], False),
+        ([[1, 2]], False),
+        ([{"id": 1}], False),
+        ("1 2", False),
+        (None, False),
+    ],
+)
+def test_only_lists_of_integers_are_taken_as_token_ids(value: Any, is_token_ids: bool) -> None:
+    assert as_int_list(value) is (value if is_token_ids else None)

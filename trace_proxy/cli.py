@@ -125,7 +125,10 @@ async def _serve(settings: Settings) -> int:
         await service.stop()
         return EXIT_USAGE
     except OSError as exc:
-        print(f"trace-proxy: error: cannot listen on {settings.host}:{settings.port}: "
+        ports = f"{settings.port}" + (
+            f" (admin {settings.admin_port})" if settings.admin_port is not None else ""
+        )
+        print(f"trace-proxy: error: cannot listen on {settings.host}:{ports}: "
               f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
         await service.stop()
         return 1

@@ -1,16 +1,24 @@
-"""Closed-loop load generator: N workers on an N-connection keep-alive pool, one JSON report.
+"""Load generator: closed loop (N workers) or open loop (a fixed rate); one JSON report.
 
 Run as its own process (`python -m benchlib.loadgen --url ... --concurrency 64 ...`) so it
-does not share an event loop with what it measures. Each worker runs trajectories of `turns`
-sequential calls (the shape of an agentic RL rollout) with X-Rollout-* headers, and checks
-every response body against the exact bytes the upstream sends. Requests completing during
-the warm-up are not measured. Bounded in time (warm-up + duration) and in count.
+does not share an event loop with what it measures. Trajectories are `turns` sequential calls
+(the shape of an agentic RL rollout) with X-Rollout-* headers; every response body is checked
+against the exact bytes the upstream sends. Requests completing during the warm-up are not
+measured. Bounded in time (warm-up + duration) and in count.
+
+Closed loop: each of `concurrency` workers runs trajectories back to back. Open loop
+(`--rate R`): requests start on a fixed schedule, R per second, whatever the answers do; each
+takes the next turn of a trajectory whose previous turn has finished, else starts a new one.
+Latency counts from the scheduled start, so a system that falls behind is charged for the
+queueing it causes (no coordinated omission). At most `concurrency` requests are in flight;
+an arrival beyond that is counted as missed.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import gc
 import hashlib
 import itertools
@@ -26,7 +34,7 @@ from typing import Any
 import aiohttp
 
 from benchlib.aio import run
-from benchlib.workload import Turn, build_turns, rollout_headers
+from benchlib.workload import PROMPT_TOKENS, Turn, build_turns, rollout_headers
 
 
 @dataclass(frozen=True)
@@ -42,6 +50,8 @@ class LoadSpec:
     seed: int
     timeout: float
     think: float  # seconds a worker pauses after each response (0: back to back)
+    prompt_tokens: int = PROMPT_TOKENS
+    rate: float | None = None  # open loop: requests per second
 
 
 @dataclass
@@ -64,6 +74,7 @@ class Tally:
     mismatch_sample: str | None = None
     digests: dict[int, str] = field(default_factory=dict)
     stopped: bool = False
+    missed: int = 0  # open loop: arrivals dropped because `concurrency` were in flight
 
     def issuing(self) -> bool:
         """Workers start new requests only inside the time and count bounds."""
@@ -97,8 +108,9 @@ async def _request(
     index: int,
     headers: dict[str, str],
     tally: Tally,
+    scheduled: float | None = None,
 ) -> None:
-    start = time.perf_counter()
+    start = time.perf_counter() if scheduled is None else scheduled
     tally.sent += 1
     try:
         async with session.post(spec.url, data=turn.request, headers=headers) as response:
@@ -140,9 +152,45 @@ async def _worker(
                 await asyncio.sleep(spec.think)
 
 
+async def _open_loop(
+    session: aiohttp.ClientSession, spec: LoadSpec, turns: list[Turn], tally: Tally
+) -> None:
+    """Start requests on a fixed schedule; late timer wake-ups start the overdue ones at once."""
+    assert spec.rate is not None
+    interval = 1 / spec.rate
+    ready: collections.deque[tuple[int, int]] = collections.deque()  # (sample, next turn)
+    running: set[asyncio.Task[None]] = set()
+
+    async def one(sample: int, index: int, scheduled: float) -> None:
+        done = index == len(turns) - 1
+        headers = rollout_headers(spec.step, sample, done=done)
+        await _request(session, spec, turns[index], index, headers, tally, scheduled)
+        if not done:
+            ready.append((sample, index + 1))
+
+    due = time.perf_counter()
+    while tally.issuing():
+        while due <= time.perf_counter() and tally.issuing():
+            if len(running) >= spec.concurrency:
+                tally.missed += 1
+            else:
+                if ready:
+                    sample, index = ready.popleft()
+                else:
+                    sample, index = tally.trajectories, 0
+                    tally.trajectories += 1
+                task = asyncio.ensure_future(one(sample, index, due))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            due += interval
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+    if running:
+        await asyncio.gather(*running)
+
+
 async def generate(spec: LoadSpec) -> dict[str, Any]:
     """Run the warm-up and the measured window; return the summary as plain JSON data."""
-    turns = build_turns(spec.turns, spec.stream, spec.seed)
+    turns = build_turns(spec.turns, spec.stream, spec.seed, spec.prompt_tokens)
     gc.freeze()  # the canned payloads live forever; keep the collector off them
     connector = aiohttp.TCPConnector(limit=spec.concurrency, limit_per_host=0, keepalive_timeout=60)
     timeout = aiohttp.ClientTimeout(total=spec.timeout)
@@ -158,7 +206,10 @@ async def generate(spec: LoadSpec) -> dict[str, Any]:
             max_measured=spec.max_requests,
             max_sent=2 * spec.max_requests + 2 * spec.concurrency,  # a safety net
         )
-        workers = [_worker(session, spec, turns, tally) for _ in range(spec.concurrency)]
+        if spec.rate is not None:
+            workers = [_open_loop(session, spec, turns, tally)]
+        else:
+            workers = [_worker(session, spec, turns, tally) for _ in range(spec.concurrency)]
         await asyncio.wait_for(asyncio.gather(*workers), spec.warmup + spec.duration + spec.timeout)
     return _summary(tally, _cpu_seconds() - cpu_start, time.perf_counter() - started)
 
@@ -195,6 +246,7 @@ def _summary(tally: Tally, cpu: float, elapsed: float) -> dict[str, Any]:
         "mean_ms": sum(ms) / len(ms) if ms else math.nan,
         "sent": tally.sent,
         "trajectories": tally.trajectories,
+        "missed": tally.missed,
         "statuses": {str(k): v for k, v in tally.statuses.items()},
         "errors": dict(tally.errors),
         "mismatched": tally.mismatched,
@@ -218,6 +270,8 @@ def parse_spec(argv: list[str]) -> LoadSpec:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=30.0)
     parser.add_argument("--think", type=float, default=0.0)
+    parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
+    parser.add_argument("--rate", type=float, default=None, help="open loop: requests/s")
     return LoadSpec(**vars(parser.parse_args(argv)))
 
 

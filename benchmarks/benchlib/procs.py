@@ -115,10 +115,16 @@ def free_port() -> int:
 
 
 def start_upstream(
-    workdir: Path, turns: int, seed: int, chunk_interval_ms: float = 0.0
+    workdir: Path,
+    turns: int,
+    seed: int,
+    chunk_interval_ms: float = 0.0,
+    prompt_sizes: list[int] | None = None,
 ) -> tuple[Proc, str]:
     argv = [sys.executable, "-m", "benchlib.upstream", "--port", "0", "--turns", str(turns),
             "--seed", str(seed), "--chunk-interval-ms", str(chunk_interval_ms)]  # fmt: skip
+    if prompt_sizes:
+        argv += ["--prompt-tokens", ",".join(map(str, prompt_sizes))]
     proc = spawn("upstream", argv, workdir)
     port = wait_for_line(proc, r"upstream listening on (\d+)").group(1)
     return proc, f"http://127.0.0.1:{port}"
@@ -169,7 +175,7 @@ http {{
     client_max_body_size 0;
     upstream inference {{
         server {host_port};
-        keepalive 64;
+        keepalive 512;
     }}
     server {{
         listen 127.0.0.1:{port};

@@ -92,9 +92,12 @@ class StoreReport:
     mismatch_sample: str | None = None
 
 
-def read_store(store: Path, turns: int, seed: int, stream_steps: set[int]) -> StoreReport:
-    """Count trajectories and calls per step and check every recorded call's token ids."""
-    prompts, outputs = _expected_tokens(turns, seed)
+def read_store(
+    store: Path, turns: int, seed: int, stream_steps: set[int], sizes: set[int]
+) -> StoreReport:
+    """Count trajectories and calls per step and check every recorded call's token ids
+    (against the canned trajectory whose first prompt has the recorded length)."""
+    expected = {size: _expected_tokens(turns, seed, size) for size in sizes}
     report = StoreReport()
     for path in sorted(store.rglob("*.jsonl")):
         if path.name == "events.jsonl":
@@ -104,12 +107,12 @@ def read_store(store: Path, turns: int, seed: int, stream_steps: set[int]) -> St
             for line in lines:
                 record = orjson.loads(line)
                 if record.get("record") == "trajectory":  # not step summaries or annotations
-                    _check_trajectory(record, prompts, outputs, stream_steps, report)
+                    _check_trajectory(record, expected, stream_steps, report)
     return report
 
 
-def _expected_tokens(turns: int, seed: int) -> tuple[list[list[int]], list[list[int]]]:
-    canned = build_turns(turns, stream=False, seed=seed)
+def _expected_tokens(turns: int, seed: int, size: int) -> tuple[list[list[int]], list[list[int]]]:
+    canned = build_turns(turns, stream=False, seed=seed, prompt_tokens=size)
     prompts = [orjson.loads(t.request)["prompt"] for t in canned]
     outputs = [orjson.loads(t.response)["choices"][0]["token_ids"] for t in canned]
     return prompts, outputs
@@ -117,8 +120,7 @@ def _expected_tokens(turns: int, seed: int) -> tuple[list[list[int]], list[list[
 
 def _check_trajectory(
     record: dict[str, Any],
-    prompts: list[list[int]],
-    outputs: list[list[int]],
+    expected: dict[int, tuple[list[list[int]], list[list[int]]]],
     stream_steps: set[int],
     report: StoreReport,
 ) -> None:
@@ -133,6 +135,8 @@ def _check_trajectory(
     report.close_reasons[record["close_reason"]] += 1
     report.later_parts += record["part"] > 1
     full = expand_prompts(record)
+    first = full[0].get("token_ids") if full else None
+    prompts, outputs = expected.get(len(first or ()), ([], []))
     for index, call in enumerate(calls):
         report.errors += call["error"] is not None
         report.unparsed += call["unparsed"] is not None

@@ -8,7 +8,7 @@ import statistics
 from datetime import datetime
 
 from benchlib.report import DIRECT, Cell, Checks, Row, results_table, rounds_table
-from benchlib.workload import OUTPUT_TOKENS, PROMPT_TOKENS, TOOL_TOKENS, build_turns
+from benchlib.workload import OUTPUT_TOKENS, TOOL_TOKENS, build_turns, parse_mode
 
 LIMITS = """\
 - **Everything shares 2 cores.** The load generator (one Python/aiohttp process), the upstream
@@ -108,20 +108,36 @@ def render(
 
 
 def _workload(args: argparse.Namespace) -> str:
-    turns = build_turns(args.turns, stream=False, seed=args.seed)
-    requests = [len(t.request) for t in turns]
-    responses = [len(t.response) for t in turns]
-    prompt_max = PROMPT_TOKENS + (args.turns - 1) * (OUTPUT_TOKENS + TOOL_TOKENS)
+    modes = [parse_mode(mode) for mode in args.modes]
+    sizes = sorted({mode.prompt_tokens for mode in modes})
+    described = []
+    for size in sizes:
+        turns = build_turns(args.turns, stream=False, seed=args.seed, prompt_tokens=size)
+        requests = [len(t.request) for t in turns]
+        responses = [len(t.response) for t in turns]
+        prompt_max = size + (args.turns - 1) * (OUTPUT_TOKENS + TOOL_TOKENS)
+        described.append(
+            f"{size}-{prompt_max} ids ({min(requests) / 1000:.1f}-{max(requests) / 1000:.1f} kB "
+            f"requests, {min(responses) / 1000:.1f}-{max(responses) / 1000:.1f} kB responses, "
+            "which echo the prompt's ids)"
+        )
+    rates = [f"{mode.rate:g}" for mode in modes if mode.rate is not None]
+    open_loop = (
+        f"; open loop (`@RATE/s` modes) at {', '.join(rates)} requests/s, latency counted from "
+        "each request's scheduled start, at most 512 in flight"
+        if rates
+        else ""
+    )
     return (
-        f"`POST /v1/completions` as vLLM serves it, token-id prompts of {PROMPT_TOKENS}-"
-        f"{prompt_max} ids ({min(requests) / 1000:.1f}-{max(requests) / 1000:.1f} kB request "
-        f"bodies), {OUTPUT_TOKENS} output tokens with logprobs and `return_token_ids` "
-        f"({min(responses) / 1000:.1f}-{max(responses) / 1000:.1f} kB responses; `sse` = the "
-        f"same streamed as a few SSE events and `[DONE]`, "
-        f"{getattr(args, 'chunk_interval_ms', 0):g} ms apart); trajectories of {args.turns} "
-        f"sequential turns sent with X-Rollout-Step/Sample-Index/N headers; closed loop at "
-        f"concurrency {', '.join(map(str, args.concurrency))}"
+        f"`POST /v1/completions` as vLLM serves it, token-id prompts of "
+        f"{'; '.join(described)} (`-8k`/`-32k` modes: the longer prompts), {OUTPUT_TOKENS} "
+        f"output tokens with logprobs and `return_token_ids` (`sse` = the same streamed as a "
+        f"few SSE events and `[DONE]`, {getattr(args, 'chunk_interval_ms', 0):g} ms apart); "
+        f"trajectories of {args.turns} sequential turns sent with "
+        f"X-Rollout-Step/Sample-Index/N headers; closed loop at concurrency "
+        f"{', '.join(map(str, args.concurrency))}"
         + (f" with a {args.think_ms:g} ms pause after each response" if args.think_ms else "")
+        + open_loop
         + f"; {args.warmup:g} s warm-up and "
         f"{args.duration:g} s measured per cell; {args.rounds} rounds, system order rotated "
         f"each round; a cell during which other processes used more than "
@@ -138,7 +154,9 @@ def _findings(rows: list[Row], cells: list[Cell], noise_limit: float) -> list[st
         mine = [r for r in rows if (r.mode, r.concurrency) == (mode, concurrency)]
         said = [_sentence(r) for r in mine if r.system != DIRECT]
         direct = next((r for r in mine if r.system == DIRECT), None)
-        head = f"- **{mode}, concurrency {concurrency}**"
+        rate = parse_mode(mode).rate
+        load = f"open loop at {rate:g}/s" if rate is not None else f"concurrency {concurrency}"
+        head = f"- **{mode}, {load}**"
         if direct is not None:
             head += f" (direct: p50 {direct.p50:.3f} ms, {direct.rps:.0f} req/s)"
         lines.append(head + ": " + "; ".join(said) + ".")

@@ -26,6 +26,7 @@ from benchlib.workload import (
     JSON_TYPE,
     MODEL,
     PATH,
+    PROMPT_TOKENS,
     UNRECORDED_PATH,
     Turn,
     build_turns,
@@ -95,10 +96,17 @@ async def _stream(request: web.BaseRequest, turn: Turn, pace: float) -> web.Stre
     return response
 
 
-async def serve(port: int, turns: int, seed: int, pace: float = 0.0) -> None:
+async def serve(
+    port: int, turns: int, seed: int, pace: float = 0.0, sizes: tuple[int, ...] = (PROMPT_TOKENS,)
+) -> None:
     """Listen on loopback until SIGTERM/SIGINT; print the bound port once ready."""
     stats = {"requests": 0, "unknown": 0, "reserialized": 0, "probes": 0}
-    canned = build_turns(turns, stream=False, seed=seed) + build_turns(turns, True, seed)
+    canned = [
+        turn
+        for size in sizes
+        for stream in (False, True)
+        for turn in build_turns(turns, stream, seed, size)
+    ]
     server = web.Server(make_handler(canned, stats, pace), access_log=None)
     runner = web.ServerRunner(server)
     await runner.setup()
@@ -130,8 +138,14 @@ def main() -> None:
         default=0.0,
         help="pause between the SSE events of a response (a token rate)",
     )
+    parser.add_argument(
+        "--prompt-tokens",
+        default=str(PROMPT_TOKENS),
+        help="first-prompt sizes to answer, comma-separated",
+    )
     args = parser.parse_args()
-    run(serve(args.port, args.turns, args.seed, args.chunk_interval_ms / 1000))
+    sizes = tuple(int(size) for size in args.prompt_tokens.split(","))
+    run(serve(args.port, args.turns, args.seed, args.chunk_interval_ms / 1000, sizes))
 
 
 if __name__ == "__main__":

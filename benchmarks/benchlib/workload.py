@@ -1,4 +1,4 @@
-"""The canned RL workload: multi-turn vLLM `/v1/completions` calls with ~1k-token prompts.
+"""The canned RL workload: multi-turn vLLM `/v1/completions` calls with 1k- to 32k-token prompts.
 
 Both the upstream and the load generator build the same bytes from the same seed, so the
 upstream answers with pre-serialised bytes (a dict lookup, no JSON work on the hot path) and
@@ -22,6 +22,7 @@ UNRECORDED_PATH = "/bench/unrecorded/v1/completions"
 MODEL = "bench-model"
 CREATED = 1763800000
 PROMPT_TOKENS = 1024
+PROMPT_SIZES = {"": 1024, "8k": 8192, "32k": 32768}  # mode suffix -> first prompt's ids
 OUTPUT_TOKENS = 16
 TOOL_TOKENS = 32
 STREAM_CHUNKS = 4
@@ -44,10 +45,38 @@ class Turn:
         return b"".join(self.chunks)
 
 
-def build_turns(turns: int, stream: bool, seed: int = 1) -> list[Turn]:
+@dataclass(frozen=True)
+class Mode:
+    """A benchmark mode as written on the command line: `json`, `sse`, a prompt size
+    (`json-8k`, `sse-32k`) and, for an open loop, a fixed request rate (`json@500/s`)."""
+
+    name: str
+    stream: bool
+    prompt_tokens: int
+    rate: float | None  # requests per second; None: closed loop
+
+
+def parse_mode(name: str) -> Mode:
+    base, _, rate = name.partition("@")
+    kind, _, size = base.partition("-")
+    if kind not in ("json", "sse") or size not in PROMPT_SIZES:
+        sizes = ", ".join(f"-{s}" for s in PROMPT_SIZES if s)
+        raise ValueError(f"unknown mode {name!r}: json or sse, optionally {sizes}, @RATE/s")
+    per_second = None
+    if rate:
+        try:
+            per_second = float(rate.removesuffix("/s"))
+        except ValueError:
+            raise ValueError(f"mode {name!r}: the rate must read like @500/s") from None
+    return Mode(name, kind == "sse", PROMPT_SIZES[size], per_second)
+
+
+def build_turns(
+    turns: int, stream: bool, seed: int = 1, prompt_tokens: int = PROMPT_TOKENS
+) -> list[Turn]:
     """The `turns` calls of one trajectory, JSON or streamed, deterministic for a seed."""
     rng = random.Random(seed)
-    prompt = [rng.randrange(VOCAB) for _ in range(PROMPT_TOKENS)]
+    prompt = [rng.randrange(VOCAB) for _ in range(prompt_tokens)]
     result = []
     for index in range(turns):
         output = [rng.randrange(VOCAB) for _ in range(OUTPUT_TOKENS)]

@@ -43,6 +43,8 @@ from trace_proxy.trajectories.token2text import Token2Text, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
 
 log = logging.getLogger(__name__)
+# Thousands of rollout workers may connect at once; the kernel caps this at somaxconn.
+LISTEN_BACKLOG = 4096
 
 
 @dataclass(frozen=True)
@@ -173,7 +175,7 @@ class ProxyService:
         )
         self._runner = web.ServerRunner(server, shutdown_timeout=settings.shutdown_grace)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, settings.host, settings.port)
+        site = web.TCPSite(self._runner, settings.host, settings.port, backlog=LISTEN_BACKLOG)
         await site.start()
         proxy_url = _bound_url(site)
         admin_url = None

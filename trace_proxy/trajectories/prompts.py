@@ -35,8 +35,8 @@ def _context(full: Prompt, call: GenerateCall, kind: str) -> Sequence[Any] | Non
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     """Length of the common prefix, by slice comparisons (C speed) and bisection."""
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n  # the usual case: the new prompt extends the whole context
+    if (a if len(a) == n else a[:n]) == (b if len(b) == n else b[:n]):
+        return n  # the usual case: the new prompt extends the whole context (one copy, not two)
     low, high = 0, n  # a[:low] == b[:low], a[:high] != b[:high]
     while high - low > 1:
         mid = (low + high) // 2

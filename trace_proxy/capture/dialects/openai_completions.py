@@ -62,7 +62,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     for call in calls[1:]:
         call.error = calls[0].error
     outputs: list[Output] = []
-    prompt_ids: dict[int, list[int]] = {}
+    prompt_ids: dict[int, Any] = {}  # as received; validated where used
     versions: dict[int, str | None] = {}
     if body is not None:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
@@ -84,8 +84,8 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
                     stop_reason=choice.get("stop_reason", choice.get("matched_stop")),
                 )
             )
-            if (ids := as_int_list(choice.get("prompt_token_ids"))) is not None:
-                prompt_ids[index] = ids
+            if (ids := choice.get("prompt_token_ids")) is not None:
+                prompt_ids[index] = ids  # checked below, only where the request had no ids
             versions[index // n] = weight_version_of(choice) or versions.get(index // n)
     elif ex.is_event_stream and ex.status is not None and ex.status < 400:
         merged = ChoiceStream()
@@ -113,7 +113,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     for index, ids in prompt_ids.items():
         owner = index // n
         if owner < len(calls) and calls[owner].prompt.token_ids is None:
-            calls[owner].prompt.token_ids = ids
+            calls[owner].prompt.token_ids = as_int_list(ids)
     for owner, version in versions.items():
         if owner < len(calls):
             calls[owner].weight_version = version
