@@ -50,7 +50,7 @@ from benchlib.procs import (
 from benchlib.recording import accounted_calls, read_store, scrape, wait_drained
 from benchlib.report import DIRECT, Cell, Checks, aggregate, results_table
 from benchlib.results import render
-from benchlib.workload import PATH, UNRECORDED_PATH, parse_mode
+from benchlib.workload import PATH, PROMPT_TOKENS, UNRECORDED_PATH, parse_mode
 
 TRACE_PROXY = check.TRACE_PROXY
 UNRECORDED = check.UNRECORDED  # trace-proxy on a route it does not record: forwarding alone
@@ -63,7 +63,8 @@ SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, NGINX, LITELLM)
 MODES = ("json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s")
 OPEN_LOOP_IN_FLIGHT = 512  # an open-loop cell's cap on requests in flight
 DRAIN_TIMEOUT = 120.0
-LOAD_TIMEOUT = 120.0  # per request: 512 in flight with 32k-token prompts is slow through a peer
+SETTLE_TIMEOUT = 60.0
+LOAD_TIMEOUT = 30.0  # per request; a peer that cannot answer 512 long prompts in time fails
 QUIET_WAIT = 60.0  # seconds a run may spend in all waiting for other processes to calm down
 QUIET_SAMPLE = 0.25
 MAX_RERUNS_PER_CELL = 2  # a long burst next door should not eat the whole re-run budget
@@ -273,6 +274,8 @@ def run_cell(
         running.proxy_calls += load["sent"]
         backlog = running.proxy_calls - int(accounted_calls(scrape(running.admin_url)))
         drain_s, drained = wait_drained(running.admin_url, running.proxy_calls, DRAIN_TIMEOUT)
+    elif proxy is not None:
+        settle(proxy)  # requests it still works on are its cost, not the next system's
     return Cell(
         round=round_,
         mode=mode,
@@ -289,6 +292,16 @@ def run_cell(
         drained=drained,
         backlog=backlog,
     )
+
+
+def settle(proc: Proc, idle_cores: float = 0.05, window: float = 0.5) -> None:
+    """Wait (at most SETTLE_TIMEOUT s) until a proxy stops working on what a cell sent it."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT
+    while time.monotonic() < deadline:
+        before = proc.cpu_seconds()
+        time.sleep(window)
+        if proc.cpu_seconds() - before < idle_cores * window:
+            return
 
 
 def _children_cpu() -> float:
@@ -310,11 +323,19 @@ def run_rounds(args: argparse.Namespace, running: Running) -> tuple[list[Cell], 
     kept: list[Cell] = []
     every: list[Cell] = []
     budget = Budget(args.retries)
-    total = args.rounds * sum(len(_loads(args, m)) for m in args.modes) * len(args.systems)
+    total = args.rounds * sum(
+        _runs_in(s, m, c) for m in args.modes for c in _loads(args, m) for s in args.systems
+    )
     for round_ in range(1, args.rounds + 1):
         shift = (round_ - 1) % len(args.systems)
         order = args.systems[shift:] + args.systems[:shift]
-        slots = [(m, c, s) for m in args.modes for c in _loads(args, m) for s in order]
+        slots = [
+            (m, c, s)
+            for m in args.modes
+            for c in _loads(args, m)
+            for s in order
+            if _runs_in(s, m, c)
+        ]
         for mode, concurrency, system in slots:
             where = (round_, mode, concurrency, system)
             kept.append(run_slot(args, running, where, every, budget, (len(kept) + 1, total)))
@@ -324,6 +345,16 @@ def run_rounds(args: argparse.Namespace, running: Running) -> tuple[list[Cell], 
 def _loads(args: argparse.Namespace, mode: str) -> list[int]:
     """Closed-loop modes run at each concurrency; an open-loop one once, under its cap."""
     return [OPEN_LOOP_IN_FLIGHT] if parse_mode(mode).rate is not None else args.concurrency
+
+
+def _runs_in(system: str, mode: str, concurrency: int) -> bool:
+    """LiteLLM runs only where it can answer: with 64+ requests in flight, long prompts or an
+    open loop it completes none within the 30 s request timeout, and the requests it queued
+    keep a core busy for minutes afterwards, which would land in the next systems' cells."""
+    if system != LITELLM:
+        return True
+    spec = parse_mode(mode)
+    return spec.rate is None and spec.prompt_tokens == PROMPT_TOKENS and concurrency <= 64
 
 
 def run_slot(

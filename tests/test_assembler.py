@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import random
+import time
 
 import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
 
-from trace_proxy.capture.metadata import KeyHints
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.metadata import KeyHints, MetadataResolver
+from trace_proxy.capture.stage import CaptureStage
+from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.prompts import expand_prompts, share_prefixes
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory, dumps
@@ -85,6 +90,23 @@ def test_step_change_closes_older_steps_of_the_same_experiment_only() -> None:
     ]
 
 
+def test_deferred_finishing_spreads_a_step_change_over_bursts_in_order() -> None:
+    """A step change may close thousands of trajectories; the proxy builds and emits them a
+    burst at a time (`run_pending`), in the order they closed, rather than all at once."""
+    assembler, out = make(defer_finishing=True)
+    for sample in range(5):
+        assembler.add_call(hints(step=1, sample_index=sample), call(sample))
+    assembler.add_call(hints(step=2, sample_index=0), call(10))
+    assert out == [] and assembler.open_count == 1 and assembler.pending == 5
+    assembler.run_pending(until=time.perf_counter() - 1)  # deadline passed: one item only
+    assert [r.key.sample_index for r in out] == [0]
+    assembler.run_pending()
+    assert [(r.key.step, r.key.sample_index) for r in out] == [(1, s) for s in range(5)]
+    assert assembler.pending == 0
+    assembler.close_all()  # shutdown finishes everything at once
+    assert [(r.key.step, r.close_reason) for r in out[5:]] == [(2, "shutdown")]
+
+
 def test_idle_timeout() -> None:
     clock = Clock()
     assembler, out = make(clock)
@@ -161,3 +183,31 @@ def test_a_later_call_without_tools_does_not_inherit_them() -> None:
         calls=[first, second],
     )))  # fmt: skip
     assert [p["tools"] for p in expand_prompts(stored)] == [tools, []]
+
+
+async def test_capture_queue_bounds_the_body_bytes_it_holds() -> None:
+    """Long prompts make each waiting exchange large: past the byte budget new exchanges are
+    counted as dropped (never an unbounded queue), and the budget frees as they are parsed."""
+    metrics = Metrics()
+    assembler, _ = make()
+    stage = CaptureStage(
+        MetadataResolver([]), assembler, metrics, project="p", experiment="e",
+        queue_size=100, idle_check_interval=60, queue_bytes=1000,
+    )  # fmt: skip
+
+    def exchange(body: int) -> Exchange:
+        return Exchange(
+            method="POST", path="/v1/completions", query="", request_headers=CIMultiDictProxy(
+                CIMultiDict()), path_metadata=[], upstream="u", start=0.0,
+            request_body=b"x" * body, response_chunks=[b"y" * 100],
+        )  # fmt: skip
+
+    for body in (500, 300, 200):  # 600 + 400 fit; 300 more would exceed 1000
+        stage.submit(exchange(body))
+    dropped = metrics.capture_dropped.labels("capture_queue_bytes")
+    assert dropped._value.get() == 1
+    stage.start()
+    await stage.drain()
+    stage.submit(exchange(800))  # everything parsed: the budget is free again
+    await stage.stop()
+    assert dropped._value.get() == 1

@@ -18,6 +18,7 @@ import orjson
 import pytest
 from proxy_helpers import all_calls, running_proxy
 
+from trace_proxy.proxy.headers import upstream_request_fields
 from trace_proxy.proxy.upstream_client import (
     READ_HIGH_WATER,
     UpstreamClient,
@@ -315,3 +316,25 @@ async def test_read_timeout_counts_silence_not_total_time(
             else:
                 assert len(await asyncio.wait_for(resp.read(), GUARD)) == 100
         done.set()
+
+
+def test_request_fields_drop_hop_by_hop_and_extend_forwarded_for() -> None:
+    raw = [
+        (b"Content-Type", b"application/json"),
+        (b"Connection", b"keep-alive, X-Drop-Me"),
+        (b"X-Drop-Me", b"listed in Connection"),
+        (b"X-Forwarded-For", b"10.0.0.1"),
+        (b"te", b"trailers"),
+        (b"Host", b"proxy:8000"),
+        (b"x-forwarded-for", b"10.0.0.2"),
+        (b"X-Forwarded-Proto", b"https"),
+        (b"Authorization", b"Bearer sk-forward-me"),
+    ]
+    fields = upstream_request_fields(raw, "127.0.0.1", "http", "proxy:8000")
+    assert fields == [
+        (b"Content-Type", b"application/json"),
+        (b"X-Forwarded-Proto", b"https"),  # the client's own, kept
+        (b"Authorization", b"Bearer sk-forward-me"),
+        (b"X-Forwarded-For", b"10.0.0.1, 10.0.0.2, 127.0.0.1"),
+        (b"X-Forwarded-Host", b"proxy:8000"),
+    ]

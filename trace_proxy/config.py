@@ -314,6 +314,9 @@ OPTIONS: tuple[Option, ...] = (
            metavar="ENTITY", commands=("serve", "demo")),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
            "are counted as dropped", metavar="N"),
+    Option("capture_queue_bytes", parse_size, 512 << 20, "bytes of request and response bodies "
+           "waiting to be parsed before new exchanges are counted as dropped "
+           "(capture_queue_bytes); bounds memory when prompts are long", metavar="SIZE"),
     Option("spool_dir", Path, None, "where closed trajectories wait on disk until every backend "
            "has them (default: OUTPUT/.spool)", metavar="DIR", commands=("serve", "demo")),
     Option("spool_max_bytes", parse_size, 1 << 30, "disk budget of the spool; past it the "
@@ -373,6 +376,7 @@ class Settings:
     trackio_dir: Path | None = None
     weave_entity: str | None = None
     capture_queue: int = 10000
+    capture_queue_bytes: int = 512 << 20
     spool_dir: Path | None = None
     spool_max_bytes: int = 1 << 30
     spool_fsync: float = 1.0

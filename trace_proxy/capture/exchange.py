@@ -29,6 +29,7 @@ class Exchange:
     error: str | None = None  # why the exchange did not complete normally
     tool_route: str | None = None  # the --tool-route prefix, for tool-server calls
     admitted: bool = False  # the sampler let it in on the hot path (headers named the sample)
+    size: int = 0  # body bytes held, counted against the capture queue's byte budget
 
     @property
     def response_body(self) -> bytes:

@@ -40,6 +40,7 @@ class CaptureStage:
         experiment: str,
         queue_size: int,
         idle_check_interval: float,
+        queue_bytes: int = 512 << 20,
     ) -> None:
         self._resolver = resolver
         self._assembler = assembler
@@ -47,6 +48,8 @@ class CaptureStage:
         self._project = project
         self._experiment = experiment
         self._queue: asyncio.Queue[Exchange] = asyncio.Queue(maxsize=queue_size)
+        self._max_bytes = queue_bytes
+        self._queued_bytes = 0
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -66,18 +69,27 @@ class CaptureStage:
 
     def submit(self, exchange: Exchange) -> None:
         """Called by the forwarder; never blocks, never raises."""
+        size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
+        if self._queued_bytes + size > self._max_bytes and not self._queue.empty():
+            self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
+            return
         try:
             self._queue.put_nowait(exchange)
         except asyncio.QueueFull:
             self._metrics.capture_dropped.labels("capture_queue_full").inc()
+            return
+        exchange.size = size
+        self._queued_bytes += size
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._work()), loop.create_task(self._close_idle())]
 
     async def drain(self) -> None:
-        """Wait until every exchange submitted so far has been parsed and assembled."""
+        """Wait until every exchange submitted so far has been parsed and assembled, and every
+        trajectory closed meanwhile has been emitted."""
         await self._queue.join()
+        await self._finish_closed()
 
     async def stop(self) -> None:
         """Parse everything already queued, then close every open trajectory."""
@@ -90,6 +102,7 @@ class CaptureStage:
 
     async def _work(self) -> None:
         burst_started = time.perf_counter()
+        assembler = self._assembler
         while True:
             exchange = await self._queue.get()
             try:
@@ -99,7 +112,10 @@ class CaptureStage:
                 log.exception("capturing %s %s failed", exchange.method, exchange.path)
             finally:
                 self._queue.task_done()
+                self._queued_bytes -= exchange.size
                 self._metrics.capture_queue.set(self._queue.qsize())
+            if assembler.pending:  # trajectories this closed: at least one, within the budget
+                assembler.run_pending(until=burst_started + BURST)
             # Queue.get() does not yield while items wait: without a yield a backlog would be
             # parsed in one burst, and no request could be forwarded meanwhile. One item per
             # turn of the loop, though, falls behind a saturated proxy until the queue
@@ -107,12 +123,22 @@ class CaptureStage:
             if self._queue.qsize() < BEHIND or time.perf_counter() - burst_started >= BURST:
                 await asyncio.sleep(0)
                 burst_started = time.perf_counter()
+                if self._queue.empty():
+                    await self._finish_closed()
+
+    async def _finish_closed(self) -> None:
+        """Emit closed trajectories in bursts, yielding between them: a step change can close
+        thousands at once, and building them must not hold up forwarding."""
+        while self._assembler.pending:
+            self._assembler.run_pending(until=time.perf_counter() + BURST)
+            await asyncio.sleep(0)
 
     async def _close_idle(self) -> None:
         while True:
             await asyncio.sleep(self._idle_check_interval)
             self._assembler.close_idle()
             self._metrics.open_trajectories.set(self._assembler.open_count)
+            await self._finish_closed()
 
     def process(self, exchange: Exchange) -> None:
         kind = classify(exchange.method, exchange.path)

@@ -22,7 +22,7 @@ from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.metrics import Metrics
 from trace_proxy.proxy.headers import (
     client_response_headers,
-    upstream_request_headers,
+    upstream_request_fields,
 )
 from trace_proxy.proxy.upstream_client import UpstreamClient, UpstreamConnection, UpstreamError
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
@@ -114,20 +114,20 @@ class Forwarder:
         start: float,
     ) -> web.StreamResponse:
         body = await _request_body(request, exchange)
-        headers = upstream_request_headers(
-            list(request.headers.items()), request.remote, request.scheme, request.host
+        fields = upstream_request_fields(
+            request.raw_headers, request.remote, request.scheme, request.host
         )
         response: web.StreamResponse | None = None
         upstream_response: UpstreamConnection | None = None
         try:
             upstream_response = await self._client.request(
-                upstream.base, request.method, target, headers.items(), body
+                upstream.base, request.method, target, fields, body
             )
             status = upstream_response.status
             response = web.StreamResponse(
                 status=status,
                 reason=upstream_response.reason or None,
-                headers=client_response_headers(list(upstream_response.headers.items())),
+                headers=client_response_headers(upstream_response.header_items),
             )
             await response.prepare(request)
             first_byte = time.time()

@@ -1,4 +1,8 @@
-"""Header rules of a forwarding proxy (RFC 9110 section 7.6.1): hop-by-hop headers stop here."""
+"""Header rules of a forwarding proxy (RFC 9110 section 7.6.1): hop-by-hop headers stop here.
+
+The request side works on the raw header bytes the listener parsed, and yields the bytes that
+go upstream: no decoding, no multidict, since this runs for every request.
+"""
 
 from __future__ import annotations
 
@@ -13,41 +17,62 @@ HOP_BY_HOP = frozenset(
         "upgrade", "proxy-authenticate", "proxy-authorization",
     }
 )  # fmt: skip
-# Set by the client library for the upstream connection itself, or answered by this proxy.
-NOT_FORWARDED_UPSTREAM = HOP_BY_HOP | {"host", "expect"}
-# aiohttp would otherwise invent these when the client did not send them.
-SKIP_AUTO_HEADERS = ("Accept", "Accept-Encoding", "User-Agent", "Content-Type")
+# Set by the upstream client for the connection itself, or answered by this proxy.
+NOT_FORWARDED_UPSTREAM = frozenset(
+    name.encode() for name in HOP_BY_HOP | {"host", "expect", "x-forwarded-for"}
+)
+Fields = list[tuple[bytes, bytes]]
 
 
-def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
-    tokens: set[str] = set()
-    for name, value in headers:
-        if name.lower() == "connection":
-            tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
-    return tokens
+def _listed_in_connection(values: Iterable[bytes]) -> set[bytes]:
+    """Names a Connection header declares hop-by-hop (lower-case)."""
+    return {t.strip().lower() for value in values for t in value.split(b",") if t.strip()}
 
 
-def _end_to_end(items: list[tuple[str, str]], dropped: frozenset[str]) -> CIMultiDict[str]:
-    listed = _connection_tokens(items)
-    return CIMultiDict(
-        (name, value)
-        for name, value in items
-        if name.lower() not in dropped and name.lower() not in listed
-    )
-
-
-def upstream_request_headers(
-    items: list[tuple[str, str]], client_ip: str | None, scheme: str, host: str | None
-) -> CIMultiDict[str]:
-    headers = _end_to_end(items, NOT_FORWARDED_UPSTREAM)
-    forwarded_for = headers.get("X-Forwarded-For")
+def upstream_request_fields(
+    raw: Iterable[tuple[bytes, bytes]], client_ip: str | None, scheme: str, host: str | None
+) -> Fields:
+    """The client's end-to-end fields in their order, with X-Forwarded-For extended by the
+    client's address and X-Forwarded-Proto/-Host added when absent."""
+    fields: Fields = []
+    forwarded_for: list[bytes] = []
+    connection: list[bytes] = []
+    has_proto = has_host = False
+    for name, value in raw:
+        lower = name.lower()
+        if lower in NOT_FORWARDED_UPSTREAM:
+            if lower == b"x-forwarded-for":
+                forwarded_for.append(value)
+            elif lower == b"connection":
+                connection.append(value)
+            continue
+        has_proto = has_proto or lower == b"x-forwarded-proto"
+        has_host = has_host or lower == b"x-forwarded-host"
+        fields.append((name, value))
+    if connection:
+        listed = _listed_in_connection(connection)
+        fields = [(n, v) for n, v in fields if n.lower() not in listed]
+        forwarded_for = [] if b"x-forwarded-for" in listed else forwarded_for
     if client_ip:
-        headers["X-Forwarded-For"] = f"{forwarded_for}, {client_ip}" if forwarded_for else client_ip
-    headers.setdefault("X-Forwarded-Proto", scheme)
-    if host:
-        headers.setdefault("X-Forwarded-Host", host)
-    return headers
+        forwarded_for.append(client_ip.encode())
+    if forwarded_for:
+        fields.append((b"X-Forwarded-For", b", ".join(forwarded_for)))
+    if not has_proto:
+        fields.append((b"X-Forwarded-Proto", scheme.encode()))
+    if host and not has_host:
+        fields.append((b"X-Forwarded-Host", host.encode("utf-8", "surrogateescape")))
+    return fields
 
 
 def client_response_headers(items: list[tuple[str, str]]) -> CIMultiDict[str]:
-    return _end_to_end(items, HOP_BY_HOP)
+    listed = {
+        token.strip().lower()
+        for name, value in items
+        if name.lower() == "connection"
+        for token in value.split(",")
+    }
+    return CIMultiDict(
+        (name, value)
+        for name, value in items
+        if name.lower() not in HOP_BY_HOP and name.lower() not in listed
+    )

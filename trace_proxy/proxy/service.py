@@ -69,6 +69,7 @@ class ProxyService:
             experiment=settings.experiment,
             idle_timeout=settings.idle_timeout,
             step_close_grace=settings.step_close_grace or 0.0,
+            defer_finishing=True,  # the capture stage emits closed trajectories in bursts
             on_close=lambda reason: self.metrics.trajectories_closed.labels(reason).inc(),
             inference=TrafficInference(on_evict=self.metrics.inference_evicted.inc),
             gate=SamplingGate(
@@ -91,6 +92,7 @@ class ProxyService:
             project=settings.project,
             experiment=settings.experiment,
             queue_size=settings.capture_queue,
+            queue_bytes=settings.capture_queue_bytes,
             idle_check_interval=min(settings.idle_timeout / 4, 5.0),
         )
         self.tool_routes = {

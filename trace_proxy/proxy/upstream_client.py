@@ -74,7 +74,7 @@ class UpstreamConnection(asyncio.Protocol):
         self.status = 0
         self.reason = ""
         self.headers: CIMultiDict[str] = CIMultiDict()
-        self._header_items: list[tuple[str, str]] = []
+        self.header_items: list[tuple[str, str]] = []  # as received, in order
         self._parser: httptools.HttpResponseParser | None = None
         self._head_request = False
         self._informational = False
@@ -142,13 +142,13 @@ class UpstreamConnection(asyncio.Protocol):
     # httptools callbacks
 
     def on_message_begin(self) -> None:
-        self._header_items = []
+        self.header_items = []
 
     def on_status(self, status: bytes) -> None:
         self.reason = status.decode("latin-1")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._header_items.append(
+        self.header_items.append(
             (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
         )
 
@@ -159,7 +159,7 @@ class UpstreamConnection(asyncio.Protocol):
             self._informational = True  # 1xx: not forwarded, the final response follows
             return
         self.status = status
-        self.headers = CIMultiDict(self._header_items)
+        self.headers = CIMultiDict(self.header_items)
         self._keep_alive = self._parser.should_keep_alive()
         no_body = self._head_request or status in NO_BODY_STATUS
         self._close_delimited = (
@@ -372,13 +372,13 @@ class UpstreamClient:
         base: str,
         method: str,
         target: str,
-        headers: Iterable[tuple[str, str]],
+        fields: Iterable[tuple[bytes, bytes]],
         body: bytes | AsyncIterator[bytes] | None,
     ) -> UpstreamConnection:
         """Send a request and return once its response head is in; the caller reads the body
         with `read()` and must call `release()` in every case."""
         origin = self.origin(base)
-        head, chunked = _request_head(method, origin, target, headers, body)
+        head, chunked = _request_head(method, origin, target, fields, body)
         head_request = method == "HEAD"
         replayable = not (body is not None and not isinstance(body, bytes))
         while True:
@@ -468,24 +468,27 @@ def _request_head(
     method: str,
     origin: Origin,
     target: str,
-    headers: Iterable[tuple[str, str]],
+    fields: Iterable[tuple[bytes, bytes]],
     body: bytes | AsyncIterator[bytes] | None,
 ) -> tuple[bytes, bool]:
-    """The request line and headers in one buffer. A body read whole gets its exact length; a
-    streamed one keeps the client's Content-Length or, without one, goes chunked."""
-    lines = [f"{method} {origin.base_path}{target} HTTP/1.1\r\nHost: {origin.host_header}\r\n"]
+    """The request line and header fields in one buffer, from the bytes the client sent. A body
+    read whole gets its exact length; a streamed one keeps the client's Content-Length or,
+    without one, goes chunked."""
+    line = f"{method} {origin.base_path}{target} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
+    parts = [line.encode("utf-8", "surrogateescape")]
     has_length = False
-    for name, value in headers:
-        if len(name) == 14 and name.lower() == "content-length":
-            if isinstance(body, bytes):
+    whole = isinstance(body, bytes)
+    for name, value in fields:
+        if len(name) == 14 and name.lower() == b"content-length":
+            if whole:
                 continue
             has_length = True
-        lines.append(f"{name}: {value}\r\n")
+        parts += (name, b": ", value, b"\r\n")
     chunked = False
     if isinstance(body, bytes):
-        lines.append(f"Content-Length: {len(body)}\r\n")
+        parts.append(b"Content-Length: %d\r\n" % len(body))
     elif body is not None and not has_length:
-        lines.append("Transfer-Encoding: chunked\r\n")
+        parts.append(b"Transfer-Encoding: chunked\r\n")
         chunked = True
-    lines.append("\r\n")
-    return "".join(lines).encode("utf-8", "surrogateescape"), chunked
+    parts.append(b"\r\n")
+    return b"".join(parts), chunked

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
@@ -60,8 +61,14 @@ class Assembler:
         inference: TrafficInference | None = None,
         gate: SamplingGate | None = None,
         step_close_grace: float = 0.0,
+        defer_finishing: bool = False,
     ) -> None:
+        """`defer_finishing`: closed trajectories are built, sampled and emitted later, by
+        `run_pending`, in order, so a step change closing thousands of them at once can be
+        spread over many turns of the event loop instead of stalling it."""
         self._step_close_grace = step_close_grace
+        self._defer = defer_finishing
+        self._pending: deque[Callable[[], None]] = deque()
         self._inference = inference
         self._gate = gate
         self._emit = emit
@@ -78,6 +85,26 @@ class Assembler:
     @property
     def open_count(self) -> int:
         return len(self._open)
+
+    @property
+    def pending(self) -> int:
+        """Closed trajectories (and step ends) not yet finished."""
+        return len(self._pending)
+
+    def run_pending(self, until: float | None = None) -> None:
+        """Finish what was closed, in order: all of it, or (at least one item) until
+        `time.perf_counter()` passes `until`."""
+        pending = self._pending
+        while pending:
+            pending.popleft()()
+            if until is not None and time.perf_counter() >= until:
+                return
+
+    def _later(self, action: Callable[[], None]) -> None:
+        if self._defer:
+            self._pending.append(action)
+        else:
+            action()
 
     @property
     def samples_early(self) -> bool:
@@ -111,7 +138,7 @@ class Assembler:
         else:
             trajectory.calls.append(call)
         if single:
-            self._finish(trajectory, "single_call")
+            self._later(partial(self._finish, trajectory, "single_call"))
         elif hints.values.get("done") is True:
             del self._open[self._identity(trajectory.key)]
             self._close(trajectory, "done")
@@ -124,7 +151,7 @@ class Assembler:
         trajectory, single = found
         trajectory.tools.append(tool)
         if single:
-            self._finish(trajectory, "single_call")
+            self._later(partial(self._finish, trajectory, "single_call"))
 
     def _destination(
         self, key: RolloutKey, hints: KeyHints, admitted: bool
@@ -186,6 +213,7 @@ class Assembler:
             trajectory.outcomes.append(outcome)
         if hits:
             return "open"
+        self.run_pending()  # a trajectory just closed is then where the gate or index has it
         if self._gate is None:
             return "unknown"
         return self._gate.annotate(outcome, project, target.get("experiment", self._experiment))
@@ -193,7 +221,7 @@ class Assembler:
     def add_event(self, event: StepEvent) -> None:
         if event.event in WEIGHT_UPDATE_EVENTS and self._inference is not None:
             self._inference.weight_update(event.project, event.experiment)
-        self._emit(event)
+        self._later(partial(self._emit, event))
 
     def close_idle(self) -> None:
         """Periodic: close trajectories idle for `idle_timeout`, and those of finished steps
@@ -213,7 +241,8 @@ class Assembler:
             _, trajectory = self._open.popitem(last=False)
             self._close(trajectory, reason)
         if self._gate is not None:
-            self._gate.end_all()
+            self._later(self._gate.end_all)
+        self.run_pending()
 
     def _key(self, hints: KeyHints) -> RolloutKey:
         v = hints.values
@@ -277,7 +306,7 @@ class Assembler:
         if self._gate is not None:
             for run, latest in self._latest_step.items():
                 keep = {step for *open_run, step in still_open if tuple(open_run) == run}
-                self._gate.end_steps_before(*run, latest, keep=keep)
+                self._later(partial(self._gate.end_steps_before, *run, latest, keep=keep))
 
     def _close(self, trajectory: _Open, reason: str) -> None:
         identity = self._identity(trajectory.key)
@@ -285,7 +314,7 @@ class Assembler:
             self._parts[identity] = trajectory.part
             while len(self._parts) > self._max_open:
                 self._parts.popitem(last=False)
-        self._finish(trajectory, reason)
+        self._later(partial(self._finish, trajectory, reason))
 
     def _finish(self, trajectory: _Open, reason: str) -> None:
         built = build_trajectory(trajectory, reason)
