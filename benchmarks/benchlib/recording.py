@@ -96,8 +96,13 @@ def read_store(
     store: Path, turns: int, seed: int, stream_steps: set[int], sizes: set[int]
 ) -> StoreReport:
     """Count trajectories and calls per step and check every recorded call's token ids
-    (against the canned trajectory whose first prompt has the recorded length)."""
-    expected = {size: _expected_tokens(turns, seed, size) for size in sizes}
+    against the canned turn with the same prompt length (each turn's is distinct), so a turn
+    whose capture was dropped does not shift the later ones."""
+    expected = {
+        len(prompt): (prompt, output)
+        for size in sizes
+        for prompt, output in zip(*_expected_tokens(turns, seed, size), strict=True)
+    }
     report = StoreReport()
     for path in sorted(store.rglob("*.jsonl")):
         if path.name == "events.jsonl":
@@ -120,7 +125,7 @@ def _expected_tokens(turns: int, seed: int, size: int) -> tuple[list[list[int]],
 
 def _check_trajectory(
     record: dict[str, Any],
-    expected: dict[int, tuple[list[list[int]], list[list[int]]]],
+    expected: dict[int, tuple[list[int], list[int]]],
     stream_steps: set[int],
     report: StoreReport,
 ) -> None:
@@ -135,15 +140,13 @@ def _check_trajectory(
     report.close_reasons[record["close_reason"]] += 1
     report.later_parts += record["part"] > 1
     full = expand_prompts(record)
-    first = full[0].get("token_ids") if full else None
-    prompts, outputs = expected.get(len(first or ()), ([], []))
     for index, call in enumerate(calls):
         report.errors += call["error"] is not None
         report.unparsed += call["unparsed"] is not None
         report.stream_flag_wrong += call["stream"] != (step in stream_steps)
-        got = (full[index].get("token_ids"), (call["outputs"] or [{}])[0].get("token_ids"))
-        want = (prompts[index], outputs[index]) if index < len(prompts) else None
-        if got != want:
+        prompt = full[index].get("token_ids")
+        got = (prompt, (call["outputs"] or [{}])[0].get("token_ids"))
+        if got != expected.get(len(prompt or ()), ()):
             report.token_mismatches += 1
             report.mismatch_sample = report.mismatch_sample or (
                 f"step {step} sample {record['key']['sample_index']} call {index}"
