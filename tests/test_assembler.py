@@ -15,6 +15,7 @@ from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.prompts import expand_prompts, share_prefixes
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory, dumps
+from trace_proxy.trajectories.rewards import Outcome
 
 
 class Clock:
@@ -100,8 +101,14 @@ def test_deferred_finishing_spreads_a_step_change_over_bursts_in_order() -> None
     assert out == [] and assembler.open_count == 1 and assembler.pending == 5
     assembler.run_pending(until=time.perf_counter() - 1)  # deadline passed: one item only
     assert [r.key.sample_index for r in out] == [0]
+    # A reward for a closed trajectory still waiting to be built goes into its record, and
+    # posting it finishes nothing early.
+    target = {"experiment": "e", "step": 1, "sample_index": 3, "rollout_n": None}
+    assert assembler.annotate(Outcome(target, reward=0.5)) == "open"
+    assert assembler.pending == 4
     assembler.run_pending()
     assert [(r.key.step, r.key.sample_index) for r in out] == [(1, s) for s in range(5)]
+    assert [r.reward for r in out] == [None, None, None, 0.5, None]
     assert assembler.pending == 0
     assembler.close_all()  # shutdown finishes everything at once
     assert [(r.key.step, r.close_reason) for r in out[5:]] == [(2, "shutdown")]

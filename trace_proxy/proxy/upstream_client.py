@@ -86,7 +86,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._close_delimited = False
         self._keep_alive = False
         self._error: UpstreamError | None = None
-        self._received = 0
+        self._received_any = False
         self._last_data = 0.0
         self._read_timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
@@ -104,7 +104,7 @@ class UpstreamConnection(asyncio.Protocol):
             # Bytes nobody asked for: the connection can no longer be trusted.
             self.abort()
             return
-        self._received += len(data)
+        self._received_any = True
         self._last_data = self._loop.time()
         try:
             parser.feed_data(data)
@@ -119,8 +119,7 @@ class UpstreamConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
         self._cancel_read_timer()
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
+        self._wake_writer()
         if self._parser is None or self._complete:
             return
         if self._headers_done is not None and self._headers_done.done() and self._close_delimited:
@@ -136,8 +135,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writing_paused = False
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
+        self._wake_writer()
 
     # httptools callbacks
 
@@ -274,7 +272,7 @@ class UpstreamConnection(asyncio.Protocol):
 
     @property
     def received_nothing(self) -> bool:
-        return self._received == 0
+        return not self._received_any
 
     # Internals
 
@@ -290,7 +288,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._close_delimited = False
         self._keep_alive = False
         self._error = None
-        self._received = 0
+        self._received_any = False
         self._reading_paused = False
 
     def _finish(self) -> None:
@@ -304,10 +302,13 @@ class UpstreamConnection(asyncio.Protocol):
         self._cancel_read_timer()
         if self._headers_done is not None and not self._headers_done.done():
             self._headers_done.set_exception(error)
-        if self._drain is not None and not self._drain.done():
-            self._drain.set_result(None)
+        self._wake_writer()
         self._wake()
         self.abort()
+
+    def _wake_writer(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -328,11 +329,8 @@ class UpstreamConnection(asyncio.Protocol):
         due = self._last_data + timeout
         now = self._loop.time()
         if self._reading_paused or now < due:  # data came since, or we are the slow side
-            self._read_timer = self._loop.call_at(
-                max(due, now + 0.001) if not self._reading_paused else now + timeout,
-                self._check_read_timeout,
-                timeout,
-            )
+            when = now + timeout if self._reading_paused else due
+            self._read_timer = self._loop.call_at(when, self._check_read_timeout, timeout)
             return
         self._fail(UpstreamError("timeout", f"no data for {timeout:g} s"))
 

@@ -69,6 +69,7 @@ class Assembler:
         self._step_close_grace = step_close_grace
         self._defer = defer_finishing
         self._pending: deque[Callable[[], None]] = deque()
+        self._closing: dict[str, _Open] = {}  # closed, waiting in `_pending` to be finished
         self._inference = inference
         self._gate = gate
         self._emit = emit
@@ -106,6 +107,11 @@ class Assembler:
         else:
             action()
 
+    def _finish_later(self, trajectory: _Open, reason: str) -> None:
+        if self._defer:
+            self._closing[trajectory.id] = trajectory
+        self._later(partial(self._finish, trajectory, reason))
+
     @property
     def samples_early(self) -> bool:
         """Can `admit_early` drop anything? (Not when every sample is kept.)"""
@@ -138,7 +144,7 @@ class Assembler:
         else:
             trajectory.calls.append(call)
         if single:
-            self._later(partial(self._finish, trajectory, "single_call"))
+            self._finish_later(trajectory, "single_call")
         elif hints.values.get("done") is True:
             del self._open[self._identity(trajectory.key)]
             self._close(trajectory, "done")
@@ -151,7 +157,7 @@ class Assembler:
         trajectory, single = found
         trajectory.tools.append(tool)
         if single:
-            self._later(partial(self._finish, trajectory, "single_call"))
+            self._finish_later(trajectory, "single_call")
 
     def _destination(
         self, key: RolloutKey, hints: KeyHints, admitted: bool
@@ -209,11 +215,16 @@ class Assembler:
         hits = [self._open[direct]] if direct in self._open else []
         if direct is None:
             hits = [t for t in self._open.values() if matches(t.key, target)]
+        if not hits:  # closed but not yet built: the outcome still goes into its record
+            hits = [
+                t
+                for t in self._closing.values()
+                if (self._identity(t.key) == direct if direct else matches(t.key, target))
+            ]
         for trajectory in hits:
             trajectory.outcomes.append(outcome)
         if hits:
             return "open"
-        self.run_pending()  # a trajectory just closed is then where the gate or index has it
         if self._gate is None:
             return "unknown"
         return self._gate.annotate(outcome, project, target.get("experiment", self._experiment))
@@ -314,9 +325,10 @@ class Assembler:
             self._parts[identity] = trajectory.part
             while len(self._parts) > self._max_open:
                 self._parts.popitem(last=False)
-        self._later(partial(self._finish, trajectory, reason))
+        self._finish_later(trajectory, reason)
 
     def _finish(self, trajectory: _Open, reason: str) -> None:
+        self._closing.pop(trajectory.id, None)
         built = build_trajectory(trajectory, reason)
         if self._gate is not None:
             self._gate.release(built)
