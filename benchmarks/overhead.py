@@ -56,10 +56,15 @@ TRACE_PROXY = check.TRACE_PROXY
 UNRECORDED = check.UNRECORDED  # trace-proxy on a route it does not record: forwarding alone
 NGINX = "nginx"
 LITELLM = check.LITELLM
-SAMPLED = "trace-proxy-sampled"  # keeps 10% of the samples: the rest refused on the hot path
+SAMPLED = "trace-proxy-sampled"  # keeps 10% of the samples: the rest refused before parsing
 OFF = "trace-proxy-off"  # keeps none (--max-samples-per-step 0): tracing off, forwarding on
-VARIANTS = {SAMPLED: ["--sample-rate", "0.1"], OFF: ["--max-samples-per-step", "0"]}
-SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, NGINX, LITELLM)
+INLINE = "trace-proxy-inline"  # records everything, parsing in the forwarding process
+VARIANTS = {
+    SAMPLED: ["--sample-rate", "0.1"],
+    OFF: ["--max-samples-per-step", "0"],
+    INLINE: ["--capture-mode", "inline"],
+}
+SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, INLINE, NGINX, LITELLM)
 MODES = ("json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s")
 OPEN_LOOP_IN_FLIGHT = 512  # an open-loop cell's cap on requests in flight
 DRAIN_TIMEOUT = 120.0
@@ -115,7 +120,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_choices(SYSTEMS),
         default=list(SYSTEMS),
         help="direct, trace-proxy, trace-proxy-unrecorded, trace-proxy-sampled,\n"
-        "trace-proxy-off, nginx, litellm [all]",
+        "trace-proxy-off, trace-proxy-inline, nginx, litellm [all]",
     )
     add(
         "--litellm",

@@ -4,7 +4,8 @@
 
 Starts the benchmark upstream and a trace-proxy recording every call (jsonl, from its export
 process), drives it with the closed-loop load generator for the whole time, and samples the
-resident memory (VmRSS) of the proxy process and of its export process every few seconds.
+resident memory (VmRSS) of the forwarding process and of its helper processes (capture,
+export) every few seconds.
 Writes `benchmarks/soak-rss.png` (needs matplotlib) and replaces the "## Soak" section of
 RESULTS.md. Flat means: the last minute's median within 10% of the median of the second minute
 (the first one is warm-up: imports, pools and caches fill).
@@ -44,7 +45,7 @@ def rss_mib(pid: int) -> float:
     return 0.0
 
 
-Sample = tuple[float, float, float]  # seconds, proxy MiB, export process MiB
+Sample = tuple[float, float, float]  # seconds, proxy MiB, helper processes MiB
 
 
 def sample(proxy: Proc, stop: threading.Event, every: float, out: list[Sample]) -> None:
@@ -55,7 +56,7 @@ def sample(proxy: Proc, stop: threading.Event, every: float, out: list[Sample]) 
 
 
 def medians(samples: list[Sample]) -> tuple[float, float, float]:
-    """Median MiB of the proxy, the export process and both."""
+    """Median MiB of the proxy, its helper processes and all."""
     return (
         statistics.median(s[1] for s in samples),
         statistics.median(s[2] for s in samples),
@@ -74,9 +75,9 @@ def plot(samples: list[Sample], path: Path, title: str) -> bool:
         return False
     minutes = [s[0] / 60 for s in samples]
     figure, axes = plt.subplots(figsize=(8, 4))
-    axes.plot(minutes, [s[1] for s in samples], label="proxy process")
-    axes.plot(minutes, [s[2] for s in samples], label="export process")
-    axes.plot(minutes, [s[1] + s[2] for s in samples], label="both")
+    axes.plot(minutes, [s[1] for s in samples], label="forwarding process")
+    axes.plot(minutes, [s[2] for s in samples], label="capture + export processes")
+    axes.plot(minutes, [s[1] + s[2] for s in samples], label="all")
     axes.axhline(LIMIT_MIB, color="grey", linestyle="--", label=f"target < {LIMIT_MIB} MB")
     axes.set_xlabel("minutes under load")
     axes.set_ylabel("resident memory, MiB")
@@ -137,7 +138,7 @@ def main() -> int:
         f"{total(metrics, 'trace_proxy_calls_recorded_total'):,.0f} calls recorded, "
         f"{total(metrics, 'trace_proxy_export_dropped_total'):,.0f} export drops.",
         "",
-        "| | proxy process | export process | both |",
+        "| | forwarding process | capture + export processes | all |",
         "|---|---|---|---|",
         "| after 1-2 min (median) | {:.0f} MiB | {:.0f} MiB | {:.0f} MiB |".format(*early),
         "| last minute (median) | {:.0f} MiB | {:.0f} MiB | {:.0f} MiB |".format(*late),

@@ -11,12 +11,13 @@ from typing import Any
 
 from aiohttp import web
 from fakes.serving import serve_app
+from prometheus_client.parser import text_string_to_metric_families
 
 from trace_proxy.config import Settings
 from trace_proxy.exporters.pipeline import ExportPipeline
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolWriter
-from trace_proxy.metrics import ExportMetrics, Metrics
+from trace_proxy.metrics import ExportMetrics, Metrics, exposition
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.show import iter_records
 
@@ -95,5 +96,10 @@ def inline_pipeline(
 
 
 def metric(metrics: Metrics, name: str, **labels: str) -> float:
-    sample = metrics.registry.get_sample_value(name, labels)
-    return sample if sample is not None else 0.0
+    """A sample as /metrics shows it: this process's, plus what its capture process last
+    reported (after a flush or a stop, everything)."""
+    for family in text_string_to_metric_families(exposition(metrics.registry).decode()):
+        for sample in family.samples:
+            if sample.name == name and sample.labels == labels:
+                return float(sample.value)
+    return 0.0

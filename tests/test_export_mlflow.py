@@ -127,7 +127,7 @@ async def rollouts_a_and_b(
     async with http.post(proxy + "/v1/chat/completions", json=body,
                          headers=key(1, 0, "a")) as response:  # fmt: skip
         message = (await response.json())["choices"][0]["message"]
-    await service.capture.drain()
+    await service.flush()
     await asyncio.to_thread(post_reward, admin, reward=1.0, labels={"correct": True},
                             trajectory_id="a")  # fmt: skip
     [tool_call] = message["tool_calls"]
@@ -171,8 +171,7 @@ async def test_trajectories_round_trip_through_mlflow(
         async with http.post(proxy + "/v1/completions", json=body,
                              headers={**key(2, 0, "c"), **done}) as response:  # fmt: skip
             assert response.status == 200
-        await service.capture.drain()
-        await service.pipeline.flush()
+        await service.flush()
         assert await asyncio.to_thread(post_reward, admin, score=0.5, trajectory_id="b") == (
             "exported"
         )
@@ -475,8 +474,7 @@ async def test_http_path_exports_recorded_trajectories_over_otlp(
         admin = service.addresses.admin
         sent = await rollouts_a_and_b(http, proxy, service, qwen_tokenizer)
         messages, message, tool_call, ids, first, second = sent
-        await service.capture.drain()
-        await service.pipeline.flush()
+        await service.flush()
         assert await asyncio.to_thread(post_reward, admin, score=0.5, trajectory_id="b") == (
             "exported"
         )

@@ -124,7 +124,7 @@ async def recorded(qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
                 for path in ("/pause", "/resume"):
                     async with session.post(addresses.proxy + path) as response:
                         assert response.status == 200
-            await service.capture.drain()
+            await service.flush()
             assert addresses.admin is not None
             where = await asyncio.to_thread(
                 post_reward, addresses.admin, reward=0.5, labels={"correct": True},

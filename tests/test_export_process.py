@@ -38,14 +38,13 @@ async def test_records_go_out_through_the_export_process_and_it_is_replaced_when
 ) -> None:
     _, upstream = fake_vllm
     async with (
-        running_proxy([upstream], tmp_path) as (service, proxy),
+        running_proxy([upstream], tmp_path, capture_mode="inline") as (service, proxy),
         aiohttp.ClientSession() as session,
     ):
-        exports = service.pipeline.exports
+        exports = service.inline.pipeline.exports
         assert isinstance(exports, ExportProcess)
         await rollouts(session, proxy, step=1, count=5)
-        await service.capture.drain()
-        await service.pipeline.flush()
+        await service.flush()
         assert keys(tmp_path) == [(1, i) for i in range(5)]
         admin = service.addresses.admin if service.addresses else ""
         async with session.get(admin + "/metrics") as response:
@@ -57,8 +56,7 @@ async def test_records_go_out_through_the_export_process_and_it_is_replaced_when
 
         os.kill(exports.pid, signal.SIGKILL)
         await rollouts(session, proxy, step=2, count=5)
-        await service.capture.drain()
-        await asyncio.wait_for(service.pipeline.flush(), 60)  # answered by the new process
+        await asyncio.wait_for(service.flush(), 60)  # answered by the new process
         restarts = service.metrics.registry.get_sample_value(
             "trace_proxy_export_process_restarts_total"
         )
@@ -69,11 +67,10 @@ async def test_records_go_out_through_the_export_process_and_it_is_replaced_when
 async def test_export_priority_normal_runs_the_export_process_as_the_proxy(
     tmp_path: Path,
 ) -> None:
-    async with running_proxy(["http://127.0.0.1:9"], tmp_path, export_priority="normal") as (
-        service,
-        _,
-    ):
-        exports = service.pipeline.exports
+    async with running_proxy(
+        ["http://127.0.0.1:9"], tmp_path, export_priority="normal", capture_mode="inline"
+    ) as (service, _):
+        exports = service.inline.pipeline.exports
         assert isinstance(exports, ExportProcess) and exports.pid is not None
         assert os.sched_getscheduler(exports.pid) == os.sched_getscheduler(0)
         assert os.getpriority(os.PRIO_PROCESS, exports.pid) == os.getpriority(os.PRIO_PROCESS, 0)

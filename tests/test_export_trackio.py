@@ -152,7 +152,7 @@ async def test_chat_tool_rollout_is_one_trace_with_the_whole_conversation(
     async with running(upstream, tmp_path / "out", project, trackio_dir) as (service, proxy):
         async with aiohttp.ClientSession(headers=headers) as session:
             _, replies = await chat_tool_rollout(session, proxy, messages)
-        await service.capture.drain()
+        await service.flush()
         assert service.addresses is not None and service.addresses.admin is not None
         where = await asyncio.to_thread(
             post_reward, service.addresses.admin, reward=1.0, trajectory_id="chat-1",
@@ -335,7 +335,7 @@ async def test_a_trajectory_without_a_step_and_late_rewards(
         await complete(proxy, {"X-Rollout-Trajectory-Id": "no-step"})  # a trajectory, no step
         await complete(proxy, key(1))
         await complete(proxy, key(2))  # step 2 starts: step 1 is closed and exported
-        await service.capture.drain()
+        await service.flush()
         assert await asyncio.to_thread(post_reward, admin, score=0.25, trajectory_id="t-1") == (
             "exported"
         )

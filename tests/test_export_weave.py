@@ -94,7 +94,7 @@ async def test_chat_tool_rollout_is_one_call_tree(
         async with running(upstream, tmp_path / "out", weave_url) as (service, proxy):
             async with aiohttp.ClientSession(headers=headers) as session:
                 asked, _ = await chat_tool_rollout(session, proxy, messages)
-            await service.capture.drain()
+            await service.flush()
             assert service.addresses is not None and service.addresses.admin is not None
             await asyncio.to_thread(
                 post_reward, service.addresses.admin, reward=1.0, trajectory_id="w-1",
@@ -294,7 +294,7 @@ async def test_backend_weave_from_the_command_line_goes_through_the_export_proce
                           project="proj") as (service, proxy),
             aiohttp.ClientSession() as session,
         ):  # fmt: skip
-            assert service.pipeline.backends == ["jsonl", "weave"]
+            assert service.recorder.backends == ["jsonl", "weave"]
             for sample in range(3):
                 body = {
                     "model": "tiny-qwen",

@@ -43,11 +43,11 @@ async def test_rewards_while_open_after_export_and_for_unknown_trajectories(
         admin = service.addresses.admin
         await generate(proxy, key(1, 0))
         await generate(proxy, {**key(1, 1), "X-Rollout-Trajectory-Id": "t-1"})
-        await service.capture.drain()
+        await service.flush()
         assert await reward(admin, reward=1.0, experiment="exp", step=1, sample_index=0,
                             rollout_n=0, labels={"correct": True}) == "open"  # fmt: skip
         await generate(proxy, key(2, 0))  # step 2 starts: step 1 is closed and exported
-        await service.capture.drain()
+        await service.flush()
         assert await reward(admin, score=0.25, trajectory_id="t-1") == "exported"
         assert await reward(admin, reward=-1.0, experiment="exp", step=9, sample_index=4) == (
             "unknown"
@@ -78,7 +78,7 @@ async def test_a_reward_for_a_sampling_candidate_waits_with_it(
         assert service.addresses is not None and service.addresses.admin is not None
         headers = {**key(1, 0), "X-Rollout-Done": "true"}
         await generate(proxy, headers)
-        await service.capture.drain()
+        await service.flush()
         where = await reward(
             service.addresses.admin, reward=0.5, experiment="exp", step=1, sample_index=0,
             rollout_n=0,

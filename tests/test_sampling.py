@@ -9,7 +9,7 @@ import aiohttp
 import orjson
 import pytest
 from fakes import FakeVLLM
-from proxy_helpers import running_proxy, trajectories
+from proxy_helpers import metric, running_proxy, trajectories
 
 from trace_proxy.config import resolve
 from trace_proxy.show import iter_records
@@ -66,8 +66,8 @@ async def test_top_n_keeps_the_smallest_hashes_with_all_their_rollouts(
         assert summary["trajectories_dropped_by_sampler"] == (SAMPLES - 3) * ROLLOUTS
         assert summary["calls_seen"] == SAMPLES * ROLLOUTS * TURNS
         assert summary["calls_kept"] == 3 * ROLLOUTS * TURNS
-    # Most dropped calls were refused from their headers, before any copy was kept.
-    refused = metrics.capture_dropped.labels("sampler")._value.get()
+    # Most dropped calls were refused from their headers, before their bodies were parsed.
+    refused = metric(metrics, "trace_proxy_capture_dropped_total", reason="sampler")
     assert refused > 0
 
 

@@ -81,7 +81,7 @@ def parse_size(value: Any) -> int:
     return size
 
 
-def parse_export_mode(value: Any) -> str:
+def parse_process_mode(value: Any) -> str:
     mode = parse_str(value).lower()
     if mode not in ("process", "inline"):
         raise ValueError(f"{value!r} is not one of: process, inline")
@@ -312,8 +312,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("weave_entity", parse_str, None, "W&B entity the weave backend logs to, in the Weave "
            "project named by --project (default: WANDB_ENTITY; the key is WANDB_API_KEY)",
            metavar="ENTITY", commands=("serve", "demo")),
-    Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed before new ones "
-           "are counted as dropped", metavar="N"),
+    Option("capture_mode", parse_process_mode, "process", "parse and assemble in a process of "
+           "their own (process), so forwarding never waits behind a long prompt's parsing, or "
+           "in the proxy's (inline)", metavar="MODE", commands=("serve", "demo")),
+    Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed (inline: before "
+           "new ones are counted as dropped; in the capture process: before it stops reading)",
+           metavar="N"),
     Option("capture_queue_bytes", parse_size, 512 << 20, "bytes of request and response bodies "
            "waiting to be parsed before new exchanges are counted as dropped "
            "(capture_queue_bytes); bounds memory when prompts are long", metavar="SIZE"),
@@ -326,7 +330,7 @@ OPTIONS: tuple[Option, ...] = (
            "can be lost to a power failure (a process crash loses none)", metavar="SECONDS"),
     Option("export_queue", parse_int, 10000, "records kept in memory while the spool cannot "
            "take them, before new ones are counted as dropped", metavar="N"),
-    Option("export_mode", parse_export_mode, "process", "run the exporters in their own process "
+    Option("export_mode", parse_process_mode, "process", "run the exporters in their own process "
            "(process), so they never take CPU time from forwarding, or in the proxy's (inline)",
            metavar="MODE", commands=("serve", "demo")),
     Option("export_priority", parse_export_priority, "idle", "CPU priority of the export "
@@ -375,6 +379,7 @@ class Settings:
     mlflow_run: str | None = None
     trackio_dir: Path | None = None
     weave_entity: str | None = None
+    capture_mode: str = "process"
     capture_queue: int = 10000
     capture_queue_bytes: int = 512 << 20
     spool_dir: Path | None = None

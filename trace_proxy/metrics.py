@@ -1,17 +1,30 @@
 """Prometheus metrics of one proxy, in its own registry (no process-global state).
 
-`Metrics` belongs to the proxy process; `ExportMetrics` to whichever process exports (the
-proxy itself, or its export process, whose samples the proxy relays on its own /metrics).
+`Metrics` belongs to the forwarding process and to the capture process (each fills in its
+part); `ExportMetrics` to whichever process exports. Helper processes send their samples to
+the process above them, which relays them; `exposition` merges what several report.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
+
+# `_created` series say when a process made a counter: noise on a dashboard, and they cannot
+# be merged across the processes whose samples /metrics relays.
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class Metrics:
@@ -126,6 +139,11 @@ class Metrics:
             "Bytes of records on disk in the spool (exported by some backends, not all)",
             registry=r,
         )
+        self.capture_process_restarts = Counter(
+            "trace_proxy_capture_process_restarts",
+            "Times the capture process ended unexpectedly and was started again",
+            registry=r,
+        )
         self.export_process_restarts = Counter(
             "trace_proxy_export_process_restarts",
             "Times the export process ended unexpectedly and was started again",
@@ -201,3 +219,38 @@ class RelayedMetrics(Collector):
 
     def describe(self) -> list[Metric]:
         return []  # names are not known in advance: never checked for duplicates
+
+
+class _Families(Collector):
+    def __init__(self, families: list[Metric]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._families
+
+
+def exposition(registry: CollectorRegistry) -> bytes:
+    """The text format of `registry`, with the families that several processes report (the
+    forwarder's and the capture process's `trace_proxy_capture_dropped`, say) merged: samples of
+    the same name and labels add up."""
+    families: dict[str, Metric] = {}
+    samples: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], Sample]] = {}
+    for family in registry.collect():
+        if family.name not in families:
+            families[family.name] = Metric(
+                family.name, family.documentation, family.type, family.unit
+            )
+            samples[family.name] = {}
+        merged = samples[family.name]
+        for sample in family.samples:
+            key = (sample.name, tuple(sorted(sample.labels.items())))
+            seen = merged.get(key)
+            if seen is None:
+                merged[key] = sample
+            else:
+                merged[key] = seen._replace(value=seen.value + sample.value)
+    for name, family in families.items():
+        family.samples = list(samples[name].values())
+    out = CollectorRegistry()
+    out.register(_Families(list(families.values())))
+    return generate_latest(out)

@@ -34,8 +34,12 @@ class Proc:
     log: Path
 
     def pids(self) -> list[int]:
-        """The process and its direct children (nginx's worker)."""
-        return [self.popen.pid, *_children(self.popen.pid)]
+        """The process and its descendants (nginx's workers; trace-proxy's capture process and
+        the export process under it), parents before children."""
+        found = [self.popen.pid]
+        for pid in found:
+            found.extend(_children(pid))
+        return found
 
     def cpu_seconds(self) -> float:
         return sum(cpu_seconds(pid) for pid in self.pids())

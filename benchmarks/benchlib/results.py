@@ -26,16 +26,20 @@ LIMITS = """\
   compare the added milliseconds with that, not with the sub-millisecond direct latency here.
 - **At concurrency 64 latency is mostly queueing** (≈ 64 / throughput, Little's law): the added
   p50 there follows from the lower throughput rather than from extra work per request.
-- **trace-proxy records after the response**: each exchange is parsed on the proxy's event loop
-  once the client has its answer (in bounded bursts when parsing falls behind), closed
-  trajectories are appended to the spool by a writer thread, and the export process (its own
-  interpreter, under SCHED_IDLE) writes the jsonl store from the spool. The benchmark charges
-  all of it to trace-proxy (its CPU per request includes the export process) and waits for the
-  backlog to drain before the next cell, so it does not slow the next system; the drain time is
-  reported in the checks.
+- **trace-proxy records after the response**: once the client has its answer, the forwarding
+  process writes the exchange's raw bytes to its capture process, which parses and assembles
+  it; closed trajectories are appended to the spool by a writer thread there, and the export
+  process (its own interpreter, under SCHED_IDLE) writes the jsonl store from the spool. The
+  benchmark charges all of it to trace-proxy (its CPU and memory include every process under
+  it) and waits for the backlog to drain before the next cell, so it does not slow the next
+  system; the drain time is reported in the checks.
+- **trace-proxy-inline** is the same, with parsing and assembling on the forwarding process's
+  event loop (`--capture-mode inline`, the design before the capture process): the two side by
+  side are the measured effect of moving capture out.
 - **trace-proxy-sampled and trace-proxy-off** are separate trace-proxy processes keeping 10% of
-  the samples and none: the calls of a dropped sample are refused on the hot path from their
-  headers, so trace-proxy-off is forwarding plus that check, the "tracing off" baseline.
+  the samples and none: the calls of a dropped sample still cross to the capture process, which
+  refuses them from their headers before parsing, so trace-proxy-off is forwarding plus that
+  hand-over, the "tracing off" baseline.
 - **LiteLLM** (one uvicorn worker, logging off) re-serialises requests and responses; with
   these 1k-token-id prompts it spends 30-80 ms of CPU per request here (measured, not profiled:
   where it goes inside LiteLLM is not known). Its log shows it opening new HTTP client
@@ -167,9 +171,9 @@ def _findings(rows: list[Row], cells: list[Cell], noise_limit: float) -> list[st
     if versus:
         lines.append(f"- {versus}")
     lines += [f"- {line}" for line in _streaming(cells)]
-    off = _versus_off(rows)
-    if off:
-        lines.append(f"- {off}")
+    for versus in (_versus_off(rows), _versus_inline(rows)):
+        if versus:
+            lines.append(f"- {versus}")
     others = [c.other_cores for c in cells]
     noisy = sum(1 for c in cells if c.other_cores > noise_limit)
     lines.append(
@@ -249,6 +253,26 @@ def _versus_off(rows: list[Row]) -> str:
             said += f", 10% kept {sampled.rps / off.rps:.0%}"
         pairs.append(said)
     return "Throughput vs tracing off (target >= 90%): " + "; ".join(pairs) + "." if pairs else ""
+
+
+def _versus_inline(rows: list[Row]) -> str:
+    """The architecture's effect: capture in its own process vs on the forwarding loop."""
+    pairs = []
+    for r in rows:
+        inline = _same(rows, r, "trace-proxy-inline") if r.system == "trace-proxy" else None
+        if inline is None or not inline.rps or r.added_p99 is None or inline.added_p99 is None:
+            continue
+        pairs.append(
+            f"{r.mode}, c={r.concurrency}: {r.rps / inline.rps:.2f}x its throughput, added "
+            f"p99 {r.added_p99:+.2f} ms vs {inline.added_p99:+.2f} ms"
+        )
+    return (
+        "Capture process vs capture inline (trace-proxy vs trace-proxy-inline): "
+        + "; ".join(pairs)
+        + "."
+        if pairs
+        else ""
+    )
 
 
 def _versus_litellm(rows: list[Row]) -> str:

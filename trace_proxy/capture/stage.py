@@ -50,6 +50,7 @@ class CaptureStage:
         self._queue: asyncio.Queue[Exchange] = asyncio.Queue(maxsize=queue_size)
         self._max_bytes = queue_bytes
         self._queued_bytes = 0
+        self._room = asyncio.Event()  # set whenever an exchange leaves the queue
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -78,6 +79,17 @@ class CaptureStage:
         except asyncio.QueueFull:
             self._metrics.capture_dropped.labels("capture_queue_full").inc()
             return
+        exchange.size = size
+        self._queued_bytes += size
+
+    async def put(self, exchange: Exchange) -> None:
+        """In the capture process: wait for room instead of dropping, so that the backlog
+        stays on the forwarding side, which bounds it and counts what it cannot hold."""
+        size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
+        while self._queued_bytes + size > self._max_bytes and not self._queue.empty():
+            self._room.clear()
+            await self._room.wait()
+        await self._queue.put(exchange)
         exchange.size = size
         self._queued_bytes += size
 
@@ -113,6 +125,7 @@ class CaptureStage:
             finally:
                 self._queue.task_done()
                 self._queued_bytes -= exchange.size
+                self._room.set()
                 self._metrics.capture_queue.set(self._queue.qsize())
             if assembler.pending:  # trajectories this closed: at least one, within the budget
                 assembler.run_pending(until=burst_started + BURST)

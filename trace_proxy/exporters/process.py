@@ -20,10 +20,8 @@ import contextlib
 import itertools
 import logging
 import os
-import pickle
 import signal
 import socket
-import struct
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,6 +30,7 @@ import aiohttp
 import orjson
 from prometheus_client import generate_latest
 
+from trace_proxy.child import Helper, receive_payload
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.runner import ExportRunner
@@ -71,10 +70,16 @@ async def _create_runner(
 # --- the proxy's side ----------------------------------------------------------------------
 
 
-class ExportProcess:
-    """Starts, feeds, supervises and stops the export process."""
+class ExportProcess(Helper):
+    """Starts, feeds, supervises and stops the export process; when it dies, another resumes
+    from the backends' cursors."""
+
+    name = "export process"
+    start_timeout = START_TIMEOUT
+    restart_delay = RESTART_DELAY
 
     def __init__(self, settings: Settings, spool_dir: Path, metrics: Metrics) -> None:
+        super().__init__(__name__, (settings, spool_dir))
         self.settings = settings
         self.spool_dir = spool_dir
         self._metrics = metrics
@@ -84,27 +89,10 @@ class ExportProcess:
         self._end = 0
         self._ids = itertools.count()
         self._flushes: dict[int, tuple[int, asyncio.Future[None]]] = {}
-        self._ready: asyncio.Future[None] | None = None
-        self._stopped: asyncio.Future[None] | None = None
-        self._writer: asyncio.StreamWriter | None = None
-        self._process: Any = None
-        self._supervisor: asyncio.Task[None] | None = None
-        self._stopping = False
-        self.tokenizer_discovery: asyncio.Future[None] | None = None  # made in start()
 
     @property
     def backends(self) -> list[str]:
         return self._backends
-
-    @property
-    def pid(self) -> int | None:
-        return self._process.pid if self._process is not None else None
-
-    async def start(self) -> None:
-        """Raises ConfigError or TokenizerError as the child reports them."""
-        self.tokenizer_discovery = asyncio.get_running_loop().create_future()
-        await self._spawn()
-        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
 
     def notify(self, end: int) -> None:
         if end > self._end:
@@ -120,111 +108,33 @@ class ExportProcess:
         await future
 
     async def close(self, timeout: float) -> None:
-        self._stopping = True
-        if self._supervisor is not None:
-            self._supervisor.cancel()
-        if self._writer is not None and self._stopped is not None and not self._stopped.done():
-            self._send({"op": "stop", "timeout": timeout})
-            with contextlib.suppress(asyncio.TimeoutError, ConnectionError):
-                await asyncio.wait_for(asyncio.shield(self._stopped), timeout + 30)
-        await self._reap()
+        await self._stop(orjson.dumps({"op": "stop", "timeout": timeout}) + b"\n", timeout + 30)
         for _, future in self._flushes.values():  # nobody is left to answer them
             if not future.done():
                 future.set_exception(RuntimeError("the export process has stopped"))
         self._flushes.clear()
 
-    # --- the child's lifecycle ---
-
-    async def _spawn(self) -> None:
-        """A fresh interpreter (`python -m trace_proxy.exporters.process FD`), not a fork: the
-        proxy's threads, sockets and event loop are not inherited."""
-        loop = asyncio.get_running_loop()
-        ours, theirs = socket.socketpair()
-        payload = pickle.dumps((self.settings, self.spool_dir))
-        ours.sendall(struct.pack("!I", len(payload)) + payload)  # small: fits the socket buffer
-        self._process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", __name__, str(theirs.fileno()), pass_fds=[theirs.fileno()]
-        )
-        theirs.close()
-        reader, self._writer = await asyncio.open_connection(sock=ours, limit=1 << 24)
-        self._ready = loop.create_future()
-        self._stopped = loop.create_future()
-        listener = loop.create_task(self._listen(reader))
-        try:
-            await asyncio.wait_for(asyncio.shield(self._ready), START_TIMEOUT)
-        except BaseException:
-            listener.cancel()
-            await self._reap()
-            raise
+    def _started(self) -> None:
         self._send({"op": "data", "end": self._end})
         for flush_id, (end, _) in self._flushes.items():  # asked of a child that died
             self._send({"op": "flush", "id": flush_id, "end": end})
 
-    async def _supervise(self) -> None:
-        """Start the child again when it dies; the cursors make it resume where it was."""
-        while not self._stopping:
-            assert self._stopped is not None
-            await asyncio.shield(self._stopped)
-            if self._stopping:
-                return
-            log.error("the export process ended unexpectedly (exit code %s); starting another",
-                      self._process.returncode if self._process else None)  # fmt: skip
-            self._metrics.export_process_restarts.inc()
-            await self._reap()
-            await asyncio.sleep(RESTART_DELAY)
-            try:
-                await self._spawn()
-            except Exception:
-                log.exception("the export process cannot start again; records stay spooled")
-                return
+    def _died(self) -> None:
+        self._metrics.export_process_restarts.inc()
 
-    async def _listen(self, reader: asyncio.StreamReader) -> None:
-        assert self._ready is not None and self._stopped is not None
-        ready, stopped = self._ready, self._stopped
-        try:
-            while line := await reader.readline():
-                message = orjson.loads(line)
-                op = message.get("op")
-                if op == "ready":
-                    ready.set_result(None)
-                elif op == "error":
-                    error = TokenizerError if message.get("kind") == "tokenizer" else ConfigError
-                    ready.set_exception(error(message["message"]))
-                    return
-                elif op == "metrics":
-                    self._relayed.text = message["text"]
-                elif op == "flushed":
-                    _, future = self._flushes.pop(message["id"], (0, None))
-                    if future is not None and not future.done():
-                        future.set_result(None)
-                elif op == "discovered":
-                    discovery = self.tokenizer_discovery
-                    if discovery is not None and not discovery.done():
-                        discovery.set_result(None)
-                elif op == "stopped":
-                    return
-        except (ConnectionError, orjson.JSONDecodeError) as exc:
-            log.error("lost the export process: %s", exc)
-        finally:
-            if not ready.done():
-                ready.set_exception(RuntimeError("the export process ended while starting"))
-            if not stopped.done():
-                stopped.set_result(None)
+    def _on_message(self, op: str, message: dict[str, Any]) -> None:
+        if op == "metrics":
+            self._relayed.text = message["text"]
+        elif op == "flushed":
+            _, future = self._flushes.pop(message["id"], (0, None))
+            if future is not None and not future.done():
+                future.set_result(None)
+        else:
+            super()._on_message(op, message)
 
     def _send(self, message: dict[str, Any]) -> None:
         if self._writer is not None and not self._writer.is_closing():
             self._writer.write(orjson.dumps(message) + b"\n")
-
-    async def _reap(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        process = self._process
-        if process is not None:
-            try:
-                await asyncio.wait_for(process.wait(), 10)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
 
 
 # --- the child's side ----------------------------------------------------------------------
@@ -232,8 +142,7 @@ class ExportProcess:
 
 def main(fd: int) -> None:
     """Entry point of the export process: `fd` is its end of the socket pair."""
-    sock = socket.socket(fileno=fd)
-    settings, spool_dir = pickle.loads(_receive(sock))
+    sock, (settings, spool_dir) = receive_payload(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when exporting stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _lower_priority(settings.export_priority)
@@ -339,18 +248,6 @@ def _lower_priority(priority: str) -> None:
     if priority in ("idle", "low"):
         with contextlib.suppress(OSError):
             os.nice(EXPORT_NICENESS)
-
-
-def _receive(sock: socket.socket) -> bytes:
-    """The length-prefixed start-up message (settings), read before the event loop starts."""
-    data = b""
-    while len(data) < 4 or len(data) < 4 + struct.unpack("!I", data[:4])[0]:
-        chunk = sock.recv(1 << 16)
-        if not chunk:
-            raise SystemExit("the proxy went away before the export process started")
-        data += chunk
-    size = struct.unpack("!I", data[:4])[0]
-    return data[4 : 4 + size]
 
 
 if __name__ == "__main__":

@@ -1,0 +1,228 @@
+"""The capture process: the forwarder hands exchanges over as raw bytes and parses nothing.
+
+What a user relies on: the records are the same as when parsing ran in the proxy's own process
+(the ground truth and every end-to-end test run this mode, the default); a capture process that
+falls behind never slows or alters forwarding, and what it cannot take is counted; one that dies
+is replaced, its loss counted; a proxy that is killed still has its captured calls recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from multidict import CIMultiDict, CIMultiDictProxy
+from proxy_helpers import metric, running_proxy, trajectories
+from test_lifecycle import start_serve
+
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.process import CaptureProcess
+from trace_proxy.capture.wire import encode_control, encode_exchange, read_frame
+
+GUARD = 60
+
+header_text = st.text(st.characters(min_codepoint=32, max_codepoint=0x2FF), max_size=20)
+exchanges = st.builds(
+    Exchange,
+    method=st.sampled_from(["POST", "GET", "HEAD"]),
+    path=st.text(min_size=1, max_size=30).map(lambda p: "/" + p),
+    query=st.text(max_size=20),
+    request_headers=st.lists(st.tuples(header_text.filter(bool), header_text), max_size=6).map(
+        lambda items: CIMultiDictProxy(CIMultiDict(items))
+    ),
+    path_metadata=st.lists(st.tuples(header_text, header_text), max_size=3),
+    upstream=st.just("http://127.0.0.1:8000"),
+    start=st.floats(0, 2e9),
+    request_body=st.binary(max_size=300),
+    status=st.none() | st.integers(100, 599),
+    response_headers=st.none()
+    | st.lists(st.tuples(header_text.filter(bool), header_text), max_size=4).map(CIMultiDict),
+    response_chunks=st.lists(st.binary(min_size=1, max_size=50), max_size=5),
+    first_byte=st.none() | st.floats(0, 2e9),
+    end=st.none() | st.floats(0, 2e9),
+    error=st.none() | st.text(max_size=30),
+    tool_route=st.none() | st.text(min_size=1, max_size=10),
+    admitted=st.booleans(),
+)
+
+
+def _fields(exchange: Exchange) -> tuple[Any, ...]:
+    response_headers = exchange.response_headers
+    return (
+        exchange.method, exchange.path, exchange.query, list(exchange.request_headers.items()),
+        [tuple(item) for item in exchange.path_metadata], exchange.upstream, exchange.start,
+        exchange.request_body, exchange.status,
+        None if response_headers is None else list(response_headers.items()),
+        exchange.response_body, exchange.first_byte, exchange.end, exchange.error,
+        exchange.tool_route, exchange.admitted,
+    )  # fmt: skip
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(exchanges, min_size=1, max_size=4))
+def test_exchanges_cross_the_socket_unchanged_and_in_order(sent: list[Exchange]) -> None:
+    async def roundtrip() -> list[Any]:
+        reader = asyncio.StreamReader()
+        for exchange in sent:
+            for buffer in encode_exchange(exchange):
+                reader.feed_data(buffer)
+        reader.feed_data(encode_control({"op": "stop", "timeout": 1.5}))
+        reader.feed_eof()
+        frames = [await read_frame(reader) for _ in range(len(sent) + 1)]
+        with pytest.raises(asyncio.IncompleteReadError):
+            await read_frame(reader)
+        return frames
+
+    *received, control = asyncio.run(roundtrip())
+    assert [_fields(exchange) for exchange in received] == [_fields(e) for e in sent]
+    assert control == {"op": "stop", "timeout": 1.5}
+
+
+async def chat(session: aiohttp.ClientSession, proxy: str, step: int, sample: int) -> bytes:
+    body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": f"q{sample}"}],
+            "max_tokens": 4}  # fmt: skip
+    headers = {"X-Rollout-Step": str(step), "X-Rollout-Sample-Index": str(sample),
+               "X-Rollout-N": "0", "X-Rollout-Done": "1"}  # fmt: skip
+    async with session.post(proxy + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200
+        return await r.read()
+
+
+def keys(output: Path) -> list[tuple[int, int]]:
+    return sorted((t["key"]["step"], t["key"]["sample_index"]) for t in trajectories(output))
+
+
+async def test_parsing_runs_in_another_process_which_is_replaced_when_it_dies(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    _, upstream = fake_vllm
+    async with (
+        running_proxy([upstream], tmp_path) as (service, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        capture = service.recorder
+        assert isinstance(capture, CaptureProcess)
+        assert capture.pid is not None and capture.pid != os.getpid()
+        for sample in range(4):
+            await chat(session, proxy, 1, sample)
+        await service.flush()
+        assert keys(tmp_path) == [(1, i) for i in range(4)]
+        admin = service.addresses.admin if service.addresses else ""
+        async with session.get(admin + "/metrics") as response:
+            text = await response.text()
+        # One family per name, though both processes count drops, requests and more.
+        assert text.count("# HELP trace_proxy_capture_dropped_total ") == 1
+        assert 'trace_proxy_calls_recorded_total{dialect="openai.chat"} 4.0' in text
+        assert 'trace_proxy_requests_total{kind="generate",status="2xx"} 4.0' in text
+
+        os.kill(capture.pid, signal.SIGKILL)
+        # Forwarding goes on while the capture process is down and after it is back.
+        for sample in range(4, 8):
+            assert b'"choices"' in await chat(session, proxy, 2, sample)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + GUARD
+        while capture.generation < 2 and loop.time() < deadline:
+            await asyncio.sleep(0.05)  # the supervisor's restart: nothing to await from here
+        await chat(session, proxy, 3, 0)
+        await asyncio.wait_for(service.flush(), GUARD)
+        target = {"experiment": "default", "step": 3, "sample_index": 0, "rollout_n": 0}
+        # Answered by the new capture process.
+        async with session.post(admin + "/rewards", json={**target, "reward": 1.0}) as response:
+            assert response.status == 200
+            assert (await response.json())["attached_to"] == "exported"
+        assert metric(service.metrics, "trace_proxy_capture_process_restarts_total") == 1
+    recorded = set(keys(tmp_path))
+    lost = metric(service.metrics, "trace_proxy_capture_dropped_total",
+                  reason="capture_process_lost")  # fmt: skip
+    down = metric(service.metrics, "trace_proxy_capture_dropped_total",
+                  reason="capture_process_down")  # fmt: skip
+    step_two = {key for key in recorded if key[0] == 2}
+    assert len(step_two) + lost + down == 4  # recorded, or counted as lost
+    assert {(1, i) for i in range(4)} | {(3, 0)} <= recorded
+
+
+async def test_a_stalled_capture_process_never_holds_up_forwarding(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    """A capture process that takes nothing (stopped here) costs forwarding nothing: the
+    backlog waits in a bounded buffer; what does not fit is counted, and nothing is lost
+    beyond it."""
+    _, upstream = fake_vllm
+    sent = 60
+    async with (
+        running_proxy([upstream], tmp_path, capture_queue_bytes=64 << 10) as (service, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        capture = service.recorder
+        assert isinstance(capture, CaptureProcess) and capture.pid is not None
+        direct = await chat(session, upstream, 0, 0)
+        os.kill(capture.pid, signal.SIGSTOP)
+        try:
+            bodies = await asyncio.wait_for(
+                asyncio.gather(*(chat(session, proxy, 1, i) for i in range(sent))), GUARD
+            )
+        finally:
+            os.kill(capture.pid, signal.SIGCONT)
+        assert all(orjson.loads(b)["choices"] for b in bodies) and len(direct) > 0
+        await asyncio.wait_for(service.flush(), GUARD)
+        dropped = metric(service.metrics, "trace_proxy_capture_dropped_total",
+                         reason="capture_queue_bytes")  # fmt: skip
+    recorded = keys(tmp_path)
+    assert dropped > 0, "the budget of 64 KiB should not hold 60 exchanges"
+    assert len(recorded) + dropped == sent
+    assert len(set(recorded)) == len(recorded)
+
+
+def _children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return [int(child) for child in handle.read().split()]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    """SIGKILL leaves no time to flush; the capture process sees its socket close, parses
+    what it received, closes the open trajectories and exports them."""
+    _, upstream = fake_vllm
+    process, proxy = await start_serve(upstream, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for turn in range(3):  # one open trajectory: never marked done
+                body = {"model": "tiny-qwen", "max_tokens": 2,
+                        "messages": [{"role": "user", "content": f"turn {turn}"}]}  # fmt: skip
+                headers = {"X-Rollout-Step": "7", "X-Rollout-Sample-Index": "0"}
+                async with session.post(
+                    proxy + "/v1/chat/completions", json=body, headers=headers
+                ) as response:
+                    assert response.status == 200
+                    await response.read()
+        helpers = _children(process.pid)
+        assert helpers, "the capture process should be running"
+    finally:
+        process.kill()
+        await process.wait()
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GUARD
+    while not all(_gone(pid) for pid in helpers) and loop.time() < deadline:
+        await asyncio.sleep(0.1)  # polling an orphan's exit: nothing can be awaited
+    [trajectory] = trajectories(tmp_path)
+    assert trajectory["key"]["step"] == 7 and len(trajectory["calls"]) == 3
+    assert trajectory["close_reason"] == "shutdown"

@@ -1,0 +1,283 @@
+"""The capture process: parsing, assembling, sampling and spooling run beside the forwarder.
+
+Parsing a 32k-token exchange takes milliseconds of JSON decoding; in the forwarding process
+every request waiting behind it would wait too. Here the forwarder only writes each finished
+exchange, as raw bytes, to a socket (`wire.py`); a child process runs the `Recorder` (capture
+stage, assembler, gate, spool, and the export process under it) and sends back its metrics,
+its open-trajectory count, reward answers and flush answers.
+
+Backpressure: the child reads only while its own queue has room, so a backlog stays in the
+forwarder's socket buffer, which is bounded: past half of `--capture-queue-bytes` new
+exchanges are dropped and counted (`capture_queue_bytes`); the child's queue holds the other
+half. If the child dies, the exchanges it had not yet acknowledged and its open trajectories
+are lost (counted as `capture_process_lost`, logged) and another child starts.
+
+Messages to the child are frames (`wire.py`): exchanges, and control messages `annotate`,
+`flush`, `stop`. From it, JSON lines: `ready` or `error`, `status` (metrics text, open
+trajectories, exchanges received), `discovered`, `annotated`, `flushed`, `stopped`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import signal
+import sys
+from typing import Any
+
+import orjson
+from prometheus_client import generate_latest
+
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.recorder import Recorder
+from trace_proxy.capture.wire import encode_control, encode_exchange, read_frame
+from trace_proxy.child import Helper, receive_payload
+from trace_proxy.config import ConfigError, Settings
+from trace_proxy.metrics import Metrics, RelayedMetrics
+from trace_proxy.trajectories.rewards import RewardError
+from trace_proxy.trajectories.token2text import TokenizerError
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 330.0  # the export process under it may take 300 s
+STATUS_EVERY = 1.0
+RESTART_DELAY = 1.0
+SOCKET_BUFFER = 4 << 20  # the kernel's share of the backlog (at most a quarter of ours)
+
+
+class CaptureProcess(Helper):
+    """The forwarder's side: starts, feeds, supervises and stops the capture process."""
+
+    name = "capture process"
+    start_timeout = START_TIMEOUT
+    restart_delay = RESTART_DELAY
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self._max_buffered = settings.capture_queue_bytes // 2
+        super().__init__(
+            __name__, settings, buffer_bytes=min(SOCKET_BUFFER, self._max_buffered // 4)
+        )
+        self.settings = settings
+        self._metrics = metrics
+        self._relayed = RelayedMetrics()
+        metrics.registry.register(self._relayed)
+        self._backends = list(dict.fromkeys(settings.backend))
+        self._sent = 0  # exchanges written to the current child
+        self._received = 0  # exchanges the current child said it has read
+        self.open_count = 0
+        self.generation = 0  # capture processes started so far
+        self._ids = itertools.count()
+        self._answers: dict[int, asyncio.Future[Any]] = {}
+        self._transport: asyncio.WriteTransport | None = None
+
+    @property
+    def backends(self) -> list[str]:
+        return self._backends
+
+    def admit(self, exchange: Exchange) -> bool:
+        """Every exchange goes to the child, which asks the sampler before parsing."""
+        return True
+
+    def submit(self, exchange: Exchange) -> None:
+        """On the hot path: write the exchange's frame; never blocks, never raises."""
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            self._metrics.capture_dropped.labels("capture_process_down").inc()
+            return
+        buffered = transport.get_write_buffer_size()
+        size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
+        if buffered and buffered + size > self._max_buffered:
+            self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
+            return
+        transport.writelines(encode_exchange(exchange))
+        self._sent += 1
+
+    async def flush(self) -> None:
+        await self._ask({"op": "flush"})
+
+    async def annotate(self, payload: Any) -> str:
+        where: str = await self._ask({"op": "annotate", "outcome": payload})
+        return where
+
+    async def stop(self, timeout: float) -> None:
+        """After the listener stopped: the child parses what it has, closes every trajectory
+        and exports (within `timeout`), then leaves."""
+        await self._stop(encode_control({"op": "stop", "timeout": timeout}), timeout + 60)
+        self._transport = None
+        self._fail_answers("the capture process has stopped")
+
+    def _started(self) -> None:
+        assert self._writer is not None
+        self._sent = self._received = 0
+        self._transport = self._writer.transport  # type: ignore[assignment]
+        self.generation += 1
+
+    def _died(self) -> None:
+        self._transport = None
+        lost = self._sent - self._received
+        self._metrics.capture_dropped.labels("capture_process_lost").inc(lost)
+        self._metrics.capture_process_restarts.inc()
+        log.error("%d exchanges in transit to the capture process and its %d open trajectories "
+                  "are lost", lost, self.open_count)  # fmt: skip
+        self._fail_answers("the capture process ended unexpectedly")
+        self.open_count = 0
+
+    def _on_message(self, op: str, message: dict[str, Any]) -> None:
+        if op == "status":
+            self._relayed.text = message["metrics"]
+            self.open_count = message["open"]
+            self._received = message["received"]
+        elif op in ("annotated", "flushed"):
+            future = self._answers.pop(message["id"], None)
+            if future is not None and not future.done():
+                if "error" in message:
+                    future.set_exception(RewardError(message["error"]))
+                else:
+                    future.set_result(message.get("where"))
+        else:
+            super()._on_message(op, message)
+
+    async def _ask(self, message: dict[str, Any]) -> Any:
+        writer = self._writer
+        if writer is None or writer.is_closing() or self._transport is None:
+            raise RuntimeError("the capture process is not running")
+        answer_id = next(self._ids)
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._answers[answer_id] = future
+        writer.write(encode_control({**message, "id": answer_id}))
+        return await future
+
+    def _fail_answers(self, why: str) -> None:
+        for future in self._answers.values():
+            if not future.done():
+                future.set_exception(RuntimeError(why))
+        self._answers.clear()
+
+
+# --- the child's side ----------------------------------------------------------------------
+
+
+def main(fd: int) -> None:
+    """Entry point of the capture process: `fd` is its end of the socket pair."""
+    sock, settings = receive_payload(fd)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when capturing stops
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trace_proxy").setLevel(settings.log_level)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        asyncio.run(_serve(settings, sock))
+    else:
+        uvloop.run(_serve(settings, sock))
+
+
+class _Child:
+    """The capture process's loop: frames in, the recorder, answers and status out."""
+
+    def __init__(self, recorder: Recorder, writer: asyncio.StreamWriter) -> None:
+        self.recorder = recorder
+        self.writer = writer
+        self.received = 0
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def send(self, message: dict[str, Any]) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(orjson.dumps(message) + b"\n")
+
+    def send_status(self) -> None:
+        self.send({
+            "op": "status",
+            "metrics": generate_latest(self.recorder.metrics.registry).decode(),
+            "open": self.recorder.open_count,
+            "received": self.received,
+        })  # fmt: skip
+
+    async def run(self, reader: asyncio.StreamReader) -> float:
+        """Until the proxy says stop (its timeout) or goes away (the configured grace)."""
+        recorder = self.recorder
+        self._spawn_task(self._report())
+        self._spawn_task(self._discovered())
+        while True:
+            try:
+                frame = await read_frame(reader)
+            except (asyncio.IncompleteReadError, ConnectionError):
+                return recorder.settings.shutdown_grace
+            if isinstance(frame, Exchange):
+                self.received += 1
+                if recorder.admit(frame):
+                    await recorder.capture.put(frame)
+                continue
+            op = frame.get("op")
+            if op == "flush":
+                self._spawn_task(self._flush(frame["id"]))
+            elif op == "annotate":
+                try:
+                    where = await recorder.annotate(frame["outcome"])
+                except RewardError as exc:  # checked by the proxy already: not expected
+                    self.send({"op": "annotated", "id": frame["id"], "error": str(exc)})
+                else:
+                    self.send({"op": "annotated", "id": frame["id"], "where": where})
+            elif op == "stop":
+                return float(frame["timeout"])
+            else:
+                log.error("unknown control message %r from the proxy", op)
+
+    def _spawn_task(self, coroutine: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coroutine)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _flush(self, answer_id: int) -> None:
+        await self.recorder.flush()
+        self.send_status()
+        self.send({"op": "flushed", "id": answer_id})
+
+    async def _report(self) -> None:
+        while True:
+            self.send_status()
+            await asyncio.sleep(STATUS_EVERY)
+
+    async def _discovered(self) -> None:
+        discovery = self.recorder.tokenizer_discovery
+        if discovery is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(discovery)
+        self.send({"op": "discovered"})
+
+
+async def _serve(settings: Settings, sock: Any) -> None:
+    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
+    metrics = Metrics()
+    try:
+        recorder = Recorder(settings, metrics, queue_bytes=settings.capture_queue_bytes // 2)
+        await recorder.start()
+    except (ConfigError, TokenizerError) as exc:
+        writer.write(orjson.dumps({
+            "op": "error",
+            "kind": "tokenizer" if isinstance(exc, TokenizerError) else "config",
+            "message": str(exc),
+        }) + b"\n")  # fmt: skip
+        await writer.drain()
+        writer.close()
+        return
+    child = _Child(recorder, writer)
+    child.send({"op": "ready"})
+    timeout = settings.shutdown_grace
+    try:
+        timeout = await child.run(reader)
+    finally:  # asked to stop, or the proxy is gone: record and export what we can, then leave
+        for task in list(child.tasks):
+            task.cancel()
+        await recorder.stop(timeout)
+        child.send_status()
+        child.send({"op": "stopped"})
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        writer.close()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
