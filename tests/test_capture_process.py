@@ -26,7 +26,7 @@ from test_lifecycle import start_serve
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.process import CaptureProcess
-from trace_proxy.capture.wire import encode_control, encode_exchange, read_frame
+from trace_proxy.capture.wire import HEAD, FrameReader, encode_control, encode_exchange
 
 GUARD = 60
 
@@ -67,24 +67,70 @@ def _fields(exchange: Exchange) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
+class _Transport(asyncio.Transport):
+    """Records what the reader asks of its transport (the stream is fed by hand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+        self.closing = False
+
+    def pause_reading(self) -> None:
+        self.paused = True
+
+    def resume_reading(self) -> None:
+        self.paused = False
+
+    def close(self) -> None:
+        self.closing = True
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+
 @settings(max_examples=200, deadline=None)
-@given(st.lists(exchanges, min_size=1, max_size=4))
-def test_exchanges_cross_the_socket_unchanged_and_in_order(sent: list[Exchange]) -> None:
+@given(st.lists(exchanges, min_size=1, max_size=4), st.lists(st.integers(1, 400), max_size=30))
+def test_exchanges_cross_the_socket_unchanged_and_in_order(
+    sent: list[Exchange], cuts: list[int]
+) -> None:
+    """However the stream is cut into reads, the frames come out whole and in order."""
+    stream = b"".join(b for exchange in sent for b in encode_exchange(exchange))
+    stream += encode_control({"op": "stop", "timeout": 1.5})
+
     async def roundtrip() -> list[Any]:
-        reader = asyncio.StreamReader()
-        for exchange in sent:
-            for buffer in encode_exchange(exchange):
-                reader.feed_data(buffer)
-        reader.feed_data(encode_control({"op": "stop", "timeout": 1.5}))
-        reader.feed_eof()
-        frames = [await read_frame(reader) for _ in range(len(sent) + 1)]
-        with pytest.raises(asyncio.IncompleteReadError):
-            await read_frame(reader)
+        reader = FrameReader(max_waiting=2)
+        transport = _Transport()
+        reader.connection_made(transport)
+        frames: list[Any] = []
+        offset = 0
+        for cut in [*cuts, len(stream)]:
+            reader.data_received(stream[offset : offset + cut])
+            offset += cut
+            if reader.waiting > 2:
+                assert transport.paused  # too many waiting: the writer is pushed back
+            while reader.waiting:
+                frames.append(await reader.next())
+            assert not transport.paused  # taken: reading goes on
+            if offset >= len(stream):
+                break
+        reader.eof_received()
+        with pytest.raises(EOFError):
+            await reader.next()
         return frames
 
     *received, control = asyncio.run(roundtrip())
     assert [_fields(exchange) for exchange in received] == [_fields(e) for e in sent]
     assert control == {"op": "stop", "timeout": 1.5}
+
+
+async def test_a_frame_that_is_not_ours_closes_the_connection() -> None:
+    reader = FrameReader()
+    transport = _Transport()
+    reader.connection_made(transport)
+    reader.data_received(HEAD.pack(7, 2, 0, 0) + b"{}")
+    with pytest.raises(ValueError, match="unknown frame kind 7"):
+        await reader.next()
+    assert transport.closing
 
 
 async def chat(session: aiohttp.ClientSession, proxy: str, step: int, sample: int) -> bytes:
@@ -226,3 +272,14 @@ async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
     [trajectory] = trajectories(tmp_path)
     assert trajectory["key"]["step"] == 7 and len(trajectory["calls"]) == 3
     assert trajectory["close_reason"] == "shutdown"
+
+
+async def test_capture_priority_low_lets_forwarding_have_the_cores_first(tmp_path: Path) -> None:
+    async with running_proxy(["http://127.0.0.1:9"], tmp_path, capture_priority="low") as (
+        service,
+        _,
+    ):
+        capture = service.recorder
+        assert isinstance(capture, CaptureProcess) and capture.pid is not None
+        ours = os.getpriority(os.PRIO_PROCESS, 0)
+        assert os.getpriority(os.PRIO_PROCESS, capture.pid) == min(ours + 19, 19)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import pickle
 import socket
 import struct
@@ -22,6 +23,7 @@ from trace_proxy.config import ConfigError
 from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
+NICENESS = 19  # priority low, or idle where SCHED_IDLE is missing
 _LENGTH = struct.Struct("!I")
 
 
@@ -56,6 +58,21 @@ def receive_payload(fd: int) -> tuple[socket.socket, Any]:
         data += chunk
     size = _LENGTH.unpack(data[:4])[0]
     return sock, pickle.loads(data[4 : 4 + size])
+
+
+def lower_priority(priority: str) -> None:
+    """In the child: idle runs only on CPU time nothing else wants (Linux SCHED_IDLE, inherited
+    by every thread made after this; nice 19 where it is missing); low is nice 19; normal keeps
+    the parent's. A helper that lags is better than forwarding that waits."""
+    if priority == "idle":
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return
+        except (AttributeError, OSError):
+            pass
+    if priority in ("idle", "low"):
+        with contextlib.suppress(OSError):
+            os.nice(NICENESS)
 
 
 async def reap(process: asyncio.subprocess.Process | None, writer: asyncio.StreamWriter | None,

@@ -88,7 +88,7 @@ def parse_process_mode(value: Any) -> str:
     return mode
 
 
-def parse_export_priority(value: Any) -> str:
+def parse_priority(value: Any) -> str:
     priority = parse_str(value).lower()
     if priority not in ("idle", "low", "normal"):
         raise ValueError(f"{value!r} is not one of: idle, low, normal")
@@ -315,6 +315,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("capture_mode", parse_process_mode, "process", "parse and assemble in a process of "
            "their own (process), so forwarding never waits behind a long prompt's parsing, or "
            "in the proxy's (inline)", metavar="MODE", commands=("serve", "demo")),
+    Option("capture_priority", parse_priority, "normal", "CPU priority of the capture "
+           "process: normal (recording keeps up while the cores are saturated, at some cost to "
+           "forwarding latency), low (nice 19: forwarding first; on saturated cores the backlog "
+           "grows to --capture-queue-bytes, then exchanges are counted as dropped) or idle",
+           metavar="PRIORITY", commands=("serve", "demo")),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed (inline: before "
            "new ones are counted as dropped; in the capture process: before it stops reading)",
            metavar="N"),
@@ -333,7 +338,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("export_mode", parse_process_mode, "process", "run the exporters in their own process "
            "(process), so they never take CPU time from forwarding, or in the proxy's (inline)",
            metavar="MODE", commands=("serve", "demo")),
-    Option("export_priority", parse_export_priority, "idle", "CPU priority of the export "
+    Option("export_priority", parse_priority, "idle", "CPU priority of the export "
            "process: idle (only CPU time nothing else wants: exporting never slows forwarding, "
            "but waits while the cores are saturated), low (nice 19) or normal",
            metavar="PRIORITY", commands=("serve", "demo")),
@@ -380,6 +385,7 @@ class Settings:
     trackio_dir: Path | None = None
     weave_entity: str | None = None
     capture_mode: str = "process"
+    capture_priority: str = "normal"
     capture_queue: int = 10000
     capture_queue_bytes: int = 512 << 20
     spool_dir: Path | None = None

@@ -32,8 +32,8 @@ from prometheus_client import generate_latest
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.recorder import Recorder
-from trace_proxy.capture.wire import encode_control, encode_exchange, read_frame
-from trace_proxy.child import Helper, receive_payload
+from trace_proxy.capture.wire import FrameReader, encode_control, encode_exchange
+from trace_proxy.child import Helper, lower_priority, receive_payload
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.metrics import Metrics, RelayedMetrics
 from trace_proxy.trajectories.rewards import RewardError
@@ -164,6 +164,7 @@ def main(fd: int) -> None:
     sock, settings = receive_payload(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when capturing stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    lower_priority(settings.capture_priority)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("trace_proxy").setLevel(settings.log_level)
     try:
@@ -177,15 +178,16 @@ def main(fd: int) -> None:
 class _Child:
     """The capture process's loop: frames in, the recorder, answers and status out."""
 
-    def __init__(self, recorder: Recorder, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, recorder: Recorder, reader: FrameReader) -> None:
         self.recorder = recorder
-        self.writer = writer
+        self.reader = reader
+        self.transport = reader.transport
         self.received = 0
         self.tasks: set[asyncio.Task[None]] = set()
 
     def send(self, message: dict[str, Any]) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(orjson.dumps(message) + b"\n")
+        if not self.transport.is_closing():
+            self.transport.write(orjson.dumps(message) + b"\n")
 
     def send_status(self) -> None:
         self.send({
@@ -195,15 +197,17 @@ class _Child:
             "received": self.received,
         })  # fmt: skip
 
-    async def run(self, reader: asyncio.StreamReader) -> float:
+    async def run(self) -> float:
         """Until the proxy says stop (its timeout) or goes away (the configured grace)."""
         recorder = self.recorder
         self._spawn_task(self._report())
         self._spawn_task(self._discovered())
         while True:
             try:
-                frame = await read_frame(reader)
-            except (asyncio.IncompleteReadError, ConnectionError):
+                frame = await self.reader.next()
+            except (EOFError, ValueError) as exc:
+                if isinstance(exc, ValueError):
+                    log.error("the capture process stops reading: %s", exc)
                 return recorder.settings.shutdown_grace
             if isinstance(frame, Exchange):
                 self.received += 1
@@ -249,34 +253,34 @@ class _Child:
 
 
 async def _serve(settings: Settings, sock: Any) -> None:
-    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 24)
+    loop = asyncio.get_running_loop()
+    transport, reader = await loop.create_connection(FrameReader, sock=sock)
     metrics = Metrics()
     try:
         recorder = Recorder(settings, metrics, queue_bytes=settings.capture_queue_bytes // 2)
         await recorder.start()
     except (ConfigError, TokenizerError) as exc:
-        writer.write(orjson.dumps({
+        transport.write(orjson.dumps({
             "op": "error",
             "kind": "tokenizer" if isinstance(exc, TokenizerError) else "config",
             "message": str(exc),
         }) + b"\n")  # fmt: skip
-        await writer.drain()
-        writer.close()
+        transport.close()  # after what is buffered has been written
+        await reader.closed
         return
-    child = _Child(recorder, writer)
+    child = _Child(recorder, reader)
     child.send({"op": "ready"})
     timeout = settings.shutdown_grace
     try:
-        timeout = await child.run(reader)
+        timeout = await child.run()
     finally:  # asked to stop, or the proxy is gone: record and export what we can, then leave
         for task in list(child.tasks):
             task.cancel()
         await recorder.stop(timeout)
         child.send_status()
         child.send({"op": "stopped"})
-        with contextlib.suppress(ConnectionError):
-            await writer.drain()
-        writer.close()
+        transport.close()
+        await reader.closed
 
 
 if __name__ == "__main__":

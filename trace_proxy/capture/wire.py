@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+from collections import deque
 from typing import Any
 
 import orjson
@@ -79,20 +80,121 @@ def encode_control(message: dict[str, Any]) -> bytes:
     return HEAD.pack(CONTROL, len(meta), 0, 0) + meta
 
 
-async def read_frame(reader: asyncio.StreamReader) -> Exchange | dict[str, Any]:
-    """The next frame: an exchange or a control message. Raises IncompleteReadError at the end
-    of the stream, ValueError on a frame that is not ours."""
-    kind, meta_length, request_length, response_length = HEAD.unpack(
-        await reader.readexactly(HEAD.size)
-    )
-    meta = await reader.readexactly(meta_length)
+Frame = Exchange | dict[str, Any]
+
+
+class FrameReader(asyncio.Protocol):
+    """Frames as they arrive on the socket. Each body is copied once out of the bytes read
+    (a StreamReader copies it several times, and moves its buffer for every frame taken);
+    reading pauses while more than `max_waiting` frames wait for the consumer, so a consumer
+    that lags pushes back on the writer."""
+
+    def __init__(self, max_waiting: int = 64) -> None:
+        self._chunks: list[bytes] = []  # the start of a frame, not yet complete
+        self._buffered = 0
+        self._head: tuple[int, int, int, int] | None = None
+        self._need = HEAD.size
+        self._frames: deque[Frame] = deque()
+        self._max_waiting = max_waiting
+        self._waiter: asyncio.Future[None] | None = None
+        self._transport: asyncio.Transport | None = None
+        self._paused = False
+        self._ended = False
+        self._error: Exception | None = None
+        self.closed: asyncio.Future[None]  # done once the connection is closed
+
+    @property
+    def transport(self) -> asyncio.Transport:
+        assert self._transport is not None
+        return self._transport
+
+    @property
+    def waiting(self) -> int:
+        """Frames read and not yet taken."""
+        return len(self._frames)
+
+    async def next(self) -> Frame:
+        """The next frame. EOFError at the end of the stream; ValueError after a frame that
+        is not ours (the connection is closed then)."""
+        while not self._frames:
+            if self._error is not None:
+                raise self._error
+            if self._ended:
+                raise EOFError
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        frame = self._frames.popleft()
+        if self._paused and len(self._frames) <= self._max_waiting // 2:
+            self._paused = False
+            self.transport.resume_reading()
+        return frame
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self._transport = transport  # type: ignore[assignment]
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered < self._need:
+            return  # most reads of a long body: nothing to join yet
+        buffer = data if len(self._chunks) == 1 else b"".join(self._chunks)
+        offset = 0
+        try:
+            while len(buffer) - offset >= self._need:
+                if self._head is None:
+                    self._head = HEAD.unpack_from(buffer, offset)
+                    offset += HEAD.size
+                    _, meta, request, response = self._head
+                    if meta == 0:
+                        raise ValueError("a frame without its JSON part")
+                    self._need = meta + request + response
+                else:
+                    self._frames.append(_frame(buffer, offset, *self._head))
+                    offset += self._need
+                    self._head, self._need = None, HEAD.size
+        except (ValueError, orjson.JSONDecodeError) as exc:
+            self._error = ValueError(f"not a capture frame: {exc}")
+            self.transport.close()
+        rest = buffer[offset:] if offset else buffer
+        self._chunks = [rest] if rest else []
+        self._buffered = len(rest)
+        self._wake()
+        if not self._paused and len(self._frames) > self._max_waiting:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def eof_received(self) -> bool:
+        self._ended = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._ended = True
+        self._wake()
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+
+def _frame(buffer: bytes, offset: int, kind: int, meta: int, request: int, response: int) -> Frame:
+    meta_end = offset + meta
     if kind == CONTROL:
-        message = orjson.loads(meta)
+        message = orjson.loads(buffer[offset:meta_end])
         if not isinstance(message, dict):
             raise ValueError("a control frame that is not a JSON object")
         return message
     if kind != EXCHANGE:
         raise ValueError(f"unknown frame kind {kind}")
-    request = await reader.readexactly(request_length) if request_length else b""
-    response = await reader.readexactly(response_length) if response_length else b""
-    return decode_exchange(meta, request, response)
+    request_end = meta_end + request
+    return decode_exchange(
+        buffer[offset:meta_end],
+        buffer[meta_end:request_end] if request else b"",
+        buffer[request_end : request_end + response] if response else b"",
+    )

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import os
 import signal
 import socket
 import sys
@@ -30,7 +29,7 @@ import aiohttp
 import orjson
 from prometheus_client import generate_latest
 
-from trace_proxy.child import Helper, receive_payload
+from trace_proxy.child import Helper, lower_priority, receive_payload
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.runner import ExportRunner
@@ -44,7 +43,6 @@ log = logging.getLogger(__name__)
 START_TIMEOUT = 300.0  # loading tokenizers and SDKs on a cold machine
 METRICS_EVERY = 1.0
 RESTART_DELAY = 1.0
-EXPORT_NICENESS = 19  # --export-priority low, or idle where SCHED_IDLE is missing
 
 
 async def _create_runner(
@@ -145,7 +143,7 @@ def main(fd: int) -> None:
     sock, (settings, spool_dir) = receive_payload(fd)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when exporting stops
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _lower_priority(settings.export_priority)
+    lower_priority(settings.export_priority)
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("trace_proxy").setLevel(settings.log_level)
     try:
@@ -233,21 +231,6 @@ async def _discover(
         session, settings.upstream, token2text.tokenizers, settings.skip_special_tokens
     )
     send({"op": "discovered"})
-
-
-def _lower_priority(priority: str) -> None:
-    """idle: run only on CPU time nothing else wants (Linux SCHED_IDLE, inherited by every
-    thread made after this; nice 19 where it is missing); low: nice 19; normal: as the proxy.
-    Exporting may lag, forwarding may not."""
-    if priority == "idle":
-        try:
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-            return
-        except (AttributeError, OSError):
-            pass
-    if priority in ("idle", "low"):
-        with contextlib.suppress(OSError):
-            os.nice(EXPORT_NICENESS)
 
 
 if __name__ == "__main__":
