@@ -93,7 +93,18 @@ def plot(samples: list[Sample], path: Path, title: str) -> bool:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=16,
+        help="closed loop: workers; open loop: the cap on requests in flight",
+    )
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=None,
+        help="open loop at this many requests/s (default: closed loop)",
+    )
     parser.add_argument("--every", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "RESULTS.md")
     args = parser.parse_args()
@@ -108,6 +119,8 @@ def main() -> int:
     argv = [sys.executable, "-m", "benchlib.loadgen", "--url", url + "/v1/completions",
             "--concurrency", str(args.concurrency), "--duration", str(seconds),
             "--warmup", "0", "--max-requests", "100000000"]  # fmt: skip
+    if args.rate is not None:
+        argv += ["--rate", str(args.rate)]
     try:
         done = subprocess.run(argv, cwd=BENCH_DIR, env=child_env(), capture_output=True,
                               text=True, timeout=seconds + 300)  # fmt: skip
@@ -127,7 +140,8 @@ def main() -> int:
     target = f"(< {LIMIT_MIB} MB, within {FLAT_WITHIN:.0%})"
     verdict = f"flat and under the target {target}." if flat else f"NOT flat or over {target}."
     image = args.output.parent / "soak-rss.png"
-    title = f"trace-proxy RSS, {args.minutes:g} min at concurrency {args.concurrency}"
+    load_text = f"{args.rate:g} requests/s" if args.rate else f"concurrency {args.concurrency}"
+    title = f"trace-proxy RSS, {args.minutes:g} min at {load_text}"
     plotted = plot(samples, image, title)
     command = "python benchmarks/soak.py " + " ".join(sys.argv[1:])
     section = [
@@ -136,6 +150,7 @@ def main() -> int:
         f"`{command.strip()}`: {load['sent']:,} requests ({load['rps']:,.0f}/s, "
         f"{sum(load['errors'].values())} errors, {load['mismatched']} bodies differing), "
         f"{total(metrics, 'trace_proxy_calls_recorded_total'):,.0f} calls recorded, "
+        f"{total(metrics, 'trace_proxy_capture_dropped_total'):,.0f} capture drops, "
         f"{total(metrics, 'trace_proxy_export_dropped_total'):,.0f} export drops.",
         "",
         "| | forwarding process | capture + export processes | all |",
