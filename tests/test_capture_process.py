@@ -133,11 +133,16 @@ async def test_a_frame_that_is_not_ours_closes_the_connection() -> None:
     assert transport.closing
 
 
-async def chat(session: aiohttp.ClientSession, proxy: str, step: int, sample: int) -> bytes:
+async def chat(
+    session: aiohttp.ClientSession, proxy: str, step: int, sample: int, done: bool = True
+) -> bytes:
+    """One turn of a keyed trajectory; `done` closes the trajectory."""
     body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": f"q{sample}"}],
             "max_tokens": 4}  # fmt: skip
     headers = {"X-Rollout-Step": str(step), "X-Rollout-Sample-Index": str(sample),
-               "X-Rollout-N": "0", "X-Rollout-Done": "1"}  # fmt: skip
+               "X-Rollout-N": "0"}  # fmt: skip
+    if done:
+        headers["X-Rollout-Done"] = "1"
     async with session.post(proxy + "/v1/chat/completions", json=body, headers=headers) as r:
         assert r.status == 200
         return await r.read()
@@ -170,6 +175,11 @@ async def test_parsing_runs_in_another_process_which_is_replaced_when_it_dies(
         assert 'trace_proxy_calls_recorded_total{dialect="openai.chat"} 4.0' in text
         assert 'trace_proxy_requests_total{kind="generate",status="2xx"} 4.0' in text
 
+        # One open trajectory (never marked done): the crash loses its call, and counts it.
+        await chat(session, proxy, 1, 99, done=False)
+        await service.flush()
+        assert capture.open_count == 1
+
         os.kill(capture.pid, signal.SIGKILL)
         # Forwarding goes on while the capture process is down and after it is back.
         for sample in range(4, 8):
@@ -192,7 +202,8 @@ async def test_parsing_runs_in_another_process_which_is_replaced_when_it_dies(
     down = metric(service.metrics, "trace_proxy_capture_dropped_total",
                   reason="capture_process_down")  # fmt: skip
     step_two = {key for key in recorded if key[0] == 2}
-    assert len(step_two) + lost + down == 4  # recorded, or counted as lost
+    assert len(step_two) + lost + down == 4 + 1  # recorded, or counted as lost (+ the open one)
+    assert (1, 99) not in recorded
     assert {(1, i) for i in range(4)} | {(3, 0)} <= recorded
 
 
@@ -251,15 +262,8 @@ async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
     process, proxy = await start_serve(upstream, tmp_path)
     try:
         async with aiohttp.ClientSession() as session:
-            for turn in range(3):  # one open trajectory: never marked done
-                body = {"model": "tiny-qwen", "max_tokens": 2,
-                        "messages": [{"role": "user", "content": f"turn {turn}"}]}  # fmt: skip
-                headers = {"X-Rollout-Step": "7", "X-Rollout-Sample-Index": "0"}
-                async with session.post(
-                    proxy + "/v1/chat/completions", json=body, headers=headers
-                ) as response:
-                    assert response.status == 200
-                    await response.read()
+            for _ in range(3):  # one open trajectory: never marked done
+                await chat(session, proxy, 7, 0, done=False)
         helpers = _children(process.pid)
         assert helpers, "the capture process should be running"
     finally:

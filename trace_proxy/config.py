@@ -325,7 +325,8 @@ OPTIONS: tuple[Option, ...] = (
            metavar="N"),
     Option("capture_queue_bytes", parse_size, 512 << 20, "bytes of request and response bodies "
            "waiting to be parsed before new exchanges are counted as dropped "
-           "(capture_queue_bytes); bounds memory when prompts are long", metavar="SIZE"),
+           "(capture_queue_bytes; with a capture process, half wait in the proxy's buffer and "
+           "half in its queue); bounds memory when prompts are long", metavar="SIZE"),
     Option("spool_dir", Path, None, "where closed trajectories wait on disk until every backend "
            "has them (default: OUTPUT/.spool)", metavar="DIR", commands=("serve", "demo")),
     Option("spool_max_bytes", parse_size, 1 << 30, "disk budget of the spool; past it the "

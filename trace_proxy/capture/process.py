@@ -9,8 +9,8 @@ its open-trajectory count, reward answers and flush answers.
 Backpressure: the child reads only while its own queue has room, so a backlog stays in the
 forwarder's socket buffer, which is bounded: past half of `--capture-queue-bytes` new
 exchanges are dropped and counted (`capture_queue_bytes`); the child's queue holds the other
-half. If the child dies, the exchanges it had not yet acknowledged and its open trajectories
-are lost (counted as `capture_process_lost`, logged) and another child starts.
+half. If the child dies, the exchanges in transit, in its queue and in its open trajectories
+are lost (counted, at most, as `capture_process_lost`; logged) and another child starts.
 
 Messages to the child are frames (`wire.py`): exchanges, and control messages `annotate`,
 `flush`, `stop`. From it, JSON lines: `ready` or `error`, `status` (metrics text, open
@@ -66,6 +66,7 @@ class CaptureProcess(Helper):
         self._backends = list(dict.fromkeys(settings.backend))
         self._sent = 0  # exchanges written to the current child
         self._received = 0  # exchanges the current child said it has read
+        self._held = 0  # of those, the ones not yet in a closed trajectory
         self.open_count = 0
         self.generation = 0  # capture processes started so far
         self._ids = itertools.count()
@@ -110,17 +111,19 @@ class CaptureProcess(Helper):
 
     def _started(self) -> None:
         assert self._writer is not None
-        self._sent = self._received = 0
+        self._sent = self._received = self._held = 0
         self._transport = self._writer.transport  # type: ignore[assignment]
         self.generation += 1
 
     def _died(self) -> None:
         self._transport = None
-        lost = self._sent - self._received
+        # In transit, or held by the child as it last said: an upper bound, since what it
+        # finished after its last status may be counted as both recorded and lost.
+        lost = self._sent - self._received + self._held
         self._metrics.capture_dropped.labels("capture_process_lost").inc(lost)
         self._metrics.capture_process_restarts.inc()
-        log.error("%d exchanges in transit to the capture process and its %d open trajectories "
-                  "are lost", lost, self.open_count)  # fmt: skip
+        log.error("%d exchanges (in transit, queued, or calls of its %d open trajectories) are "
+                  "lost with the capture process", lost, self.open_count)  # fmt: skip
         self._fail_answers("the capture process ended unexpectedly")
         self.open_count = 0
 
@@ -129,6 +132,7 @@ class CaptureProcess(Helper):
             self._relayed.text = message["metrics"]
             self.open_count = message["open"]
             self._received = message["received"]
+            self._held = message["held"]
         elif op in ("annotated", "flushed"):
             future = self._answers.pop(message["id"], None)
             if future is not None and not future.done():
@@ -195,6 +199,7 @@ class _Child:
             "metrics": generate_latest(self.recorder.metrics.registry).decode(),
             "open": self.recorder.open_count,
             "received": self.received,
+            "held": self.recorder.held,
         })  # fmt: skip
 
     async def run(self) -> float:

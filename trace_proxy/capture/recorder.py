@@ -114,6 +114,12 @@ class Recorder:
     def open_count(self) -> int:
         return self.assembler.open_count
 
+    @property
+    def held(self) -> int:
+        """Exchanges received whose calls are not yet in a closed trajectory: queued, or
+        calls of open trajectories (a crash would lose them)."""
+        return self.capture.waiting + self.assembler.open_calls
+
     def admit(self, exchange: Exchange) -> bool:
         return self.capture.admit(exchange)
 

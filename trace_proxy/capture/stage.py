@@ -93,6 +93,11 @@ class CaptureStage:
         exchange.size = size
         self._queued_bytes += size
 
+    @property
+    def waiting(self) -> int:
+        """Exchanges queued, not yet parsed."""
+        return self._queue.qsize()
+
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._work()), loop.create_task(self._close_idle())]

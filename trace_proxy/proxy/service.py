@@ -84,7 +84,7 @@ class ProxyService:
 
     async def start(self) -> Addresses:
         """Raises TokenizerError (a configured tokenizer cannot be loaded), ConfigError (a
-        backend cannot start, in the export process) or OSError (listen)."""
+        backend cannot start, or the spool directory cannot be used) or OSError (listen)."""
         settings = self.settings
         self._client = UpstreamClient(settings.connect_timeout, settings.read_timeout)
         forwarder = Forwarder(

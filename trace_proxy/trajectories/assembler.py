@@ -88,6 +88,11 @@ class Assembler:
         return len(self._open)
 
     @property
+    def open_calls(self) -> int:
+        """Calls held in open trajectories (what a crash would lose)."""
+        return sum(len(t.calls) for t in self._open.values())
+
+    @property
     def pending(self) -> int:
         """Closed trajectories (and step ends) not yet finished."""
         return len(self._pending)
