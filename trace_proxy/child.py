@@ -12,9 +12,11 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import socket
 import struct
 import sys
+from collections.abc import Coroutine
 from typing import Any
 
 import orjson
@@ -73,6 +75,22 @@ def lower_priority(priority: str) -> None:
     if priority in ("idle", "low"):
         with contextlib.suppress(OSError):
             os.nice(NICENESS)
+
+
+def run_child(serve: Coroutine[Any, Any, None], priority: str, log_level: str) -> None:
+    """The rest of a helper's life: signals are its parent's to act on (it stops when asked,
+    or when its socket closes), its CPU priority, logging, then `serve` under uvloop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    lower_priority(priority)
+    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("trace_proxy").setLevel(log_level)
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - platforms without uvloop
+        asyncio.run(serve)
+    else:
+        uvloop.run(serve)
 
 
 async def reap(process: asyncio.subprocess.Process | None, writer: asyncio.StreamWriter | None,

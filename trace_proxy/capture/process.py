@@ -23,7 +23,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import signal
 import sys
 from typing import Any
 
@@ -33,7 +32,7 @@ from prometheus_client import generate_latest
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.recorder import Recorder
 from trace_proxy.capture.wire import FrameReader, encode_control, encode_exchange
-from trace_proxy.child import Helper, lower_priority, receive_payload
+from trace_proxy.child import Helper, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.metrics import Metrics, RelayedMetrics
 from trace_proxy.trajectories.rewards import RewardError
@@ -166,17 +165,7 @@ class CaptureProcess(Helper):
 def main(fd: int) -> None:
     """Entry point of the capture process: `fd` is its end of the socket pair."""
     sock, settings = receive_payload(fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when capturing stops
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    lower_priority(settings.capture_priority)
-    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("trace_proxy").setLevel(settings.log_level)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - platforms without uvloop
-        asyncio.run(_serve(settings, sock))
-    else:
-        uvloop.run(_serve(settings, sock))
+    run_child(_serve(settings, sock), settings.capture_priority, settings.log_level)
 
 
 class _Child:

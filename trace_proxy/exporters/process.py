@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import signal
 import socket
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ import aiohttp
 import orjson
 from prometheus_client import generate_latest
 
-from trace_proxy.child import Helper, lower_priority, receive_payload
+from trace_proxy.child import Helper, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.runner import ExportRunner
@@ -141,17 +140,7 @@ class ExportProcess(Helper):
 def main(fd: int) -> None:
     """Entry point of the export process: `fd` is its end of the socket pair."""
     sock, (settings, spool_dir) = receive_payload(fd)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the proxy decides when exporting stops
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    lower_priority(settings.export_priority)
-    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("trace_proxy").setLevel(settings.log_level)
-    try:
-        import uvloop
-    except ImportError:  # pragma: no cover - platforms without uvloop
-        asyncio.run(_serve(settings, spool_dir, sock))
-    else:
-        uvloop.run(_serve(settings, spool_dir, sock))
+    run_child(_serve(settings, spool_dir, sock), settings.export_priority, settings.log_level)
 
 
 async def _serve(settings: Settings, spool_dir: Path, sock: socket.socket) -> None:
