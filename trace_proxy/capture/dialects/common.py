@@ -100,11 +100,49 @@ def load_json(body: bytes) -> Any:
         raise ParseError(f"response is not JSON: {exc}") from None
 
 
-def stream_events(ex: Exchange) -> Iterator[dict[str, Any]]:
-    """Decoded `data:` events of a streamed response, stopping at `[DONE]`."""
+ECHO_KEY = b'"prompt_token_ids":'
+_INT_LIST_BYTES = b"0123456789,- \t\r\n"
+
+
+def without_prompt_echo(body: bytes) -> bytes:
+    """`body` with the value of every `"prompt_token_ids": [ids]` replaced by `null`.
+
+    vLLM echoes the prompt's ids in each response (`return_token_ids`). When the request
+    carried them already, decoding the echo is the largest single cost of parsing a
+    long-prompt response (0.7 ms for 32k ids, against 0.07 ms to cut it out). Only a list made
+    of integer characters is cut, so its first `]` is its end (the cut list is not checked
+    further); anything else stays, and the body is decoded in full.
+    """
+    found = body.find(ECHO_KEY)
+    if found < 0:
+        return body
+    pieces = []
+    done = 0
+    while found >= 0:
+        value = found + len(ECHO_KEY)
+        while value < len(body) and body[value] in b" \t\r\n":
+            value += 1
+        end = body.find(b"]", value)
+        if body[value : value + 1] != b"[" or end < 0:
+            return body
+        if body[value + 1 : end].translate(None, _INT_LIST_BYTES):
+            return body  # not a plain list of ids
+        pieces += (body[done:value], b"null")
+        done = end + 1
+        found = body.find(ECHO_KEY, done)
+    pieces.append(body[done:])
+    return b"".join(pieces)
+
+
+def stream_events(ex: Exchange, skip_prompt_echo: bool = False) -> Iterator[dict[str, Any]]:
+    """Decoded `data:` events of a streamed response, stopping at `[DONE]`.
+
+    `skip_prompt_echo`: the request carried the prompt's ids, so the echo is not decoded."""
     for payload in iter_data(ex.response_body):
         if payload.strip() == b"[DONE]":
             return
+        if skip_prompt_echo:
+            payload = without_prompt_echo(payload)
         try:
             event = orjson.loads(payload)
         except orjson.JSONDecodeError as exc:
@@ -282,10 +320,13 @@ class ChoiceStream:
         ]
 
 
-def fill_response(call: GenerateCall, ex: Exchange) -> Any:
+def fill_response(call: GenerateCall, ex: Exchange, skip_prompt_echo: bool = False) -> Any:
     """Set errors common to every dialect; return the decoded JSON body of a non-stream 2xx
-    response, or None when there is nothing more to read (error, stream handled by caller)."""
+    response, or None when there is nothing more to read (error, stream handled by caller).
+
+    `skip_prompt_echo`: the request carried the prompt's ids, so the echo is not decoded."""
     call.error = exchange_failure(ex)
     if ex.status is None or ex.status >= 400 or ex.is_event_stream:
         return None
-    return load_json(ex.response_body)
+    body = ex.response_body
+    return load_json(without_prompt_echo(body) if skip_prompt_echo else body)

@@ -58,7 +58,8 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
         call = new_call(ex, NAME, request)
         call.prompt = prompt
         calls.append(call)
-    body = fill_response(calls[0], ex)
+    has_ids = all(call.prompt.token_ids is not None for call in calls)
+    body = fill_response(calls[0], ex, skip_prompt_echo=has_ids)
     for call in calls[1:]:
         call.error = calls[0].error
     outputs: list[Output] = []
@@ -89,7 +90,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
             versions[index // n] = weight_version_of(choice) or versions.get(index // n)
     elif ex.is_event_stream and ex.status is not None and ex.status < 400:
         merged = ChoiceStream()
-        for event in stream_events(ex):
+        for event in stream_events(ex, skip_prompt_echo=has_ids):
             if "error" in event and "choices" not in event:
                 for call in calls:
                     call.error = stream_error(event)

@@ -37,7 +37,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     if isinstance(params, dict):
         call.sampling.update(params)
     call.prompt.token_ids = token_ids
-    body = fill_response(call, ex)
+    body = fill_response(call, ex, skip_prompt_echo=True)
     if body is not None:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
             raise ParseError("response has no 'choices' list")
@@ -57,7 +57,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
             call.weight_version = weight_version_of(choice) or call.weight_version
     elif ex.is_event_stream and ex.status is not None and ex.status < 400:
         merged = ChoiceStream()
-        for event in stream_events(ex):
+        for event in stream_events(ex, skip_prompt_echo=True):
             if "error" in event and "choices" not in event:
                 call.error = stream_error(event)
                 continue
