@@ -15,9 +15,21 @@ from pathlib import Path
 from proxy_helpers import inline_pipeline, metric, trajectories
 
 from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.jsonl import JsonlExporter, record_path
 from trace_proxy.exporters.spool import Cursor
-from trace_proxy.trajectories.record import Record, RolloutKey, Trajectory
+from trace_proxy.trajectories.record import (
+    SCHEMA_VERSION,
+    GenerateCall,
+    Output,
+    Prompt,
+    Record,
+    RolloutKey,
+    StepEvent,
+    Trajectory,
+    dumps,
+    loads,
+    spooled_trajectory,
+)
 
 
 def record(i: int, payload: str = "") -> Trajectory:
@@ -204,12 +216,12 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from proxy_helpers import inline_pipeline
 from test_pipeline import record
-from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.jsonl import JsonlExporter, record_path
 
 class CrashesAfterItsSecondBatch(JsonlExporter):
     batches = 0
-    def export(self, records):
-        super().export(records)
+    def export_lines(self, records):  # what the runner calls for jsonl
+        super().export_lines(records)
         self.batches += 1
         if self.batches == 2:
             os._exit(9)  # the line is written, the cursor is not: the worst moment
@@ -241,3 +253,95 @@ async def test_a_crash_loses_nothing_and_the_replay_duplicates_nothing(tmp_path:
     await pipeline.flush()
     await pipeline.close()
     assert sorted(t["id"] for t in trajectories(tmp_path)) == sorted(f"t{i}" for i in range(20))
+
+
+def full_trajectory(i: int, experiment: str) -> Trajectory:
+    """A trajectory with calls, tools and a key whose strings spell JSON of the record's head."""
+    key = RolloutKey(
+        project="p",
+        experiment=experiment,
+        step=i % 3,
+        sample_index=i,
+        rollout_n=0,
+        validate=i % 2 == 1,
+        sources={"step": "header:X-Rollout-Step"},
+    )
+    call = GenerateCall(
+        index=0,
+        dialect="openai.completions",
+        route="/v1/completions",
+        upstream="http://u",
+        start=1.5,
+        end=2.25,
+        stream=False,
+        prompt=Prompt(token_ids=[1, 2, 3]),
+        outputs=[Output(index=0, token_ids=[4], text=' ,"status":"error"')],
+    )
+    return Trajectory(id=f"t{i}", key=key, start=1.5, end=2.25 + i, status="ok",
+                      close_reason="done", calls=[call], labels={"note": '"},"status":'},
+                      summary={"calls": 1})  # fmt: skip
+
+
+def event(name: str, time: float) -> StepEvent:
+    return StepEvent(name, f"/{name}", "http://u", time, project="p", experiment="e")
+
+
+class Unchanging:
+    """A processor that changes nothing but does not say so: records are decoded for it."""
+
+    name = "unchanging"
+
+    def process(self, records: list[Record]) -> None:
+        pass
+
+
+class Idle(Unchanging):
+    """One that says so (token2text without a tokenizer), and counts what went by."""
+
+    name = "idle"
+    inactive = True
+
+    def __init__(self) -> None:
+        self.passed = 0
+
+    def passed_over(self, trajectories: int) -> None:
+        self.passed += trajectories
+
+
+async def test_spooled_lines_are_written_as_a_decoded_record_would_be(tmp_path: Path) -> None:
+    experiments = ["e", 'e ,"status":"x" }', 'e\\u002c"start":{', "ü"]
+    records: list[Record] = [full_trajectory(i, experiments[i % 4]) for i in range(12)]
+    records.insert(5, event("weight_update", 3.0))
+    stores = {}
+    for name, processor in (("decoded", Unchanging()), ("spooled", Idle())):
+        output = tmp_path / name
+        pipeline, _ = inline_pipeline(
+            output / ".spool", [JsonlExporter(output)], processors=[processor], batch_size=5
+        )
+        await pipeline.start()
+        for item in records:
+            pipeline.submit(item)
+        await pipeline.flush()
+        await pipeline.close()
+        stores[name] = {
+            path.relative_to(output): path.read_bytes() for path in output.rglob("*.jsonl")
+        }
+        if isinstance(processor, Idle):
+            assert processor.passed == 12
+    assert set(stores["decoded"]) == {record_path(Path(), r) for r in records}
+    assert stores["spooled"] == stores["decoded"]
+    lines = b"".join(stores["spooled"].values()).splitlines()
+    assert sorted(loads(line).record for line in lines) == ["event"] + ["trajectory"] * 12
+
+
+def test_only_trajectory_lines_of_this_schema_are_taken_by_their_head() -> None:
+    line = dumps(full_trajectory(7, 'x ,"status":"y"'))
+    head = spooled_trajectory(line)
+    assert head is not None
+    assert (head.id, head.key.experiment, head.key.step, head.end) == ("t7", 'x ,"status":"y"', 1,
+                                                                        9.25)  # fmt: skip
+    assert head.line is line
+    other_schema = line.replace(SCHEMA_VERSION.encode(), b"trace-proxy.trajectory/1")
+    bare = b'{"id":"t","record":"trajectory"}'
+    for not_taken in (other_schema, dumps(event("pause", 1.0)), line[:-1], bare):
+        assert spooled_trajectory(not_taken) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from functools import lru_cache
 
 _SECRET_HEADER = re.compile(
     r"authorization|cookie|api[-_]?key|token|secret|password|credential|session[-_]?key",
@@ -13,6 +14,7 @@ REDACTED = "[redacted]"
 _NOT_RECORDED = frozenset({"content-length", "host", "connection", "keep-alive"})
 
 
+@lru_cache(maxsize=4096)  # a few names, sent again with every call
 def is_secret_header(name: str) -> bool:
     return _SECRET_HEADER.search(name) is not None
 

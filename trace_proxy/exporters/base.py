@@ -13,7 +13,12 @@ from trace_proxy.trajectories.record import Record
 
 
 class Processor(Protocol):
-    """Enriches records once, before they fan out to the backends (e.g. token2text)."""
+    """Enriches records once, before they fan out to the backends (e.g. token2text).
+
+    It may also define `inactive` (a property: True while it would change no record) and
+    `passed_over(trajectories: int)` (told how many went by unprocessed meanwhile); while every
+    processor is inactive, a backend that writes spool lines as they are gets them undecoded.
+    """
 
     name: str
 
@@ -28,7 +33,9 @@ class ExportRejected(Exception):
 
 class Exporter(Protocol):
     """A backend. It may also define `exported_ids(records: list[Trajectory]) -> set[str]`: the
-    ids of those it already holds, asked after a crash about the batch that was in flight."""
+    ids of those it already holds, asked after a crash about the batch that was in flight; and
+    `writes_spooled_lines = True` with `export_lines(items)`, taking `SpooledTrajectory` items
+    (a spool line, head decoded) beside records, when it writes a record's line as it is."""
 
     name: str
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
+from collections.abc import Sequence
 from pathlib import Path
 
 import orjson
@@ -23,6 +24,7 @@ import orjson
 from trace_proxy.trajectories.record import (
     Annotation,
     Record,
+    SpooledTrajectory,
     StepEvent,
     StepSummary,
     Trajectory,
@@ -32,7 +34,7 @@ from trace_proxy.trajectories.record import (
 MAX_OPEN_FILES = 32
 
 
-def record_path(root: Path, record: Record) -> Path:
+def record_path(root: Path, record: Record | SpooledTrajectory) -> Path:
     if isinstance(record, StepEvent):
         return root / record.project / record.experiment / "events.jsonl"
     if isinstance(record, StepSummary):
@@ -53,15 +55,21 @@ def record_path(root: Path, record: Record) -> Path:
 
 class JsonlExporter:
     name = "jsonl"
+    writes_spooled_lines = True  # a spool line is the store's line: see `export_lines`
 
     def __init__(self, output: Path) -> None:
         self.output = Path(output)
         self._files: OrderedDict[Path, int] = OrderedDict()
 
     def export(self, records: list[Record]) -> None:
+        self.export_lines(records)
+
+    def export_lines(self, records: Sequence[Record | SpooledTrajectory]) -> None:
+        """Records, or trajectories still as the spool holds them (written as they are)."""
         lines: dict[Path, list[bytes]] = {}
         for record in records:
-            lines.setdefault(record_path(self.output, record), []).append(dumps(record) + b"\n")
+            line = record.line if isinstance(record, SpooledTrajectory) else dumps(record)
+            lines.setdefault(record_path(self.output, record), []).append(line + b"\n")
         for path, chunk in lines.items():
             _write_all(self._open(path), b"".join(chunk))  # whole lines, one write per file
 

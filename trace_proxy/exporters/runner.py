@@ -5,6 +5,11 @@ slow or dead backend only falls behind on disk and never holds up another. A lan
 batch, has the processors (token2text) enrich it — once for all lanes that read the same
 records, through a small shared cache — exports it, and moves its cursor past it.
 
+A backend that writes spool lines as they are (jsonl: `writes_spooled_lines`) gets trajectories
+with only their head decoded while no processor would change them (token2text without a
+tokenizer, or none configured): decoding a whole trajectory and encoding it again cost more
+than writing it.
+
 Failures: a backend that raises is retried with exponential backoff (capped), for as long as it
 takes; its records wait in the spool, within the spool's disk budget. A record a backend
 rejects for good (`ExportRejected`, or a conversion bug: TypeError, ValueError, KeyError,
@@ -22,19 +27,27 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from trace_proxy.exporters.base import Exporter, ExportRejected, Processor
 from trace_proxy.exporters.spool import Cursor, CursorState, SpoolReader, release
 from trace_proxy.metrics import ExportMetrics
-from trace_proxy.trajectories.record import Record, Trajectory, loads
+from trace_proxy.trajectories.record import (
+    Record,
+    SpooledTrajectory,
+    Trajectory,
+    loads,
+    spooled_trajectory,
+)
 
 log = logging.getLogger(__name__)
 
 PERMANENT = (ExportRejected, TypeError, ValueError, KeyError, AttributeError)
 LINGER = 0.1  # seconds an idle lane waits once woken, so records go out in batches
-Numbered = list[tuple[int, Record]]
+Numbered = list[tuple[int, Record | SpooledTrajectory]]
 
 
 class _Lane:
@@ -43,6 +56,12 @@ class _Lane:
     def __init__(self, exporter: Exporter, directory: Path) -> None:
         self.exporter = exporter
         self.name = exporter.name
+        self.spooled_lines = bool(getattr(exporter, "writes_spooled_lines", False))
+        self.export: Callable[[list[Any]], None] = (
+            getattr(exporter, "export_lines", exporter.export)
+            if self.spooled_lines
+            else exporter.export
+        )
         self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"export-{exporter.name}")
         self.reader = SpoolReader(directory)
         self.cursor = Cursor(directory, exporter.name)
@@ -67,7 +86,7 @@ class _Processed:
     def get(self, batch: list[tuple[int, bytes]]) -> tuple[Numbered, int]:
         """The batch as records (processed), and how many lines were not records."""
         with self._lock:
-            fresh: Numbered = []
+            fresh: list[tuple[int, Record]] = []
             bad = 0
             for seq, payload in batch:
                 if seq in self._records:
@@ -79,10 +98,38 @@ class _Processed:
             self._process([record for _, record in fresh])
             for seq, record in fresh:
                 self._records[seq] = record
-            found = [(seq, self._records[seq]) for seq, _ in batch if seq in self._records]
+            found: Numbered = [
+                (seq, self._records[seq]) for seq, _ in batch if seq in self._records
+            ]
             while len(self._records) > self._size:
                 self._records.popitem(last=False)
             return found, bad
+
+    @property
+    def inactive(self) -> bool:
+        """No processor would change a record now (each says so: `inactive`)."""
+        return all(getattr(p, "inactive", False) for p in self.processors)
+
+    def heads(self, batch: list[tuple[int, bytes]]) -> tuple[Numbered, int]:
+        """The batch for a backend that writes spooled lines, while `inactive`: trajectories
+        with their head decoded, other records (small) in full; how many were not records."""
+        found: Numbered = []
+        bad = trajectories = 0
+        for seq, payload in batch:
+            head = spooled_trajectory(payload)
+            if head is not None:
+                found.append((seq, head))
+                trajectories += 1
+                continue
+            try:
+                found.append((seq, loads(payload)))
+            except ValueError:
+                bad += 1
+        for processor in self.processors:  # what they would have counted as skipped
+            passed_over = getattr(processor, "passed_over", None)
+            if passed_over is not None and trajectories:
+                passed_over(trajectories)
+        return found, bad
 
     def _process(self, records: list[Record]) -> None:
         if not records:
@@ -206,9 +253,14 @@ class ExportRunner:
                 dropped.labels(lane.name, "spool_full").inc(batch.missing)
             if batch.corrupt:
                 dropped.labels(lane.name, "spool_corrupt").inc(batch.corrupt)
-            records, bad = await loop.run_in_executor(
-                lane.thread, self._processed.get, batch.records
-            )
+            processed = self._processed
+            if lane.spooled_lines and lane.replay_until is None and processed.inactive:
+                records: Numbered
+                records, bad = await loop.run_in_executor(
+                    lane.thread, processed.heads, batch.records
+                )
+            else:
+                records, bad = await loop.run_in_executor(lane.thread, processed.get, batch.records)
             if bad:
                 dropped.labels(lane.name, "spool_corrupt").inc(bad)
             if records:
@@ -240,13 +292,13 @@ class ExportRunner:
             release(self.directory, self.backends)
             lane.released_at = segment
 
-    async def _export(self, lane: _Lane, records: list[Record]) -> None:
+    async def _export(self, lane: _Lane, records: list[Record | SpooledTrajectory]) -> None:
         loop = asyncio.get_running_loop()
         name = lane.name
         attempt = 0
         while True:
             try:
-                await loop.run_in_executor(lane.thread, lane.exporter.export, records)
+                await loop.run_in_executor(lane.thread, lane.export, records)
             except PERMANENT as exc:
                 if len(records) > 1:  # find the records at fault; the others go out
                     for record in records:
@@ -289,7 +341,7 @@ def _not_yet_exported(lane: _Lane, records: Numbered) -> Numbered:
     ]
 
 
-def _newest(batch: list[Record]) -> float:
+def _newest(batch: list[Record | SpooledTrajectory]) -> float:
     """When the newest record of a batch was complete (its end, or its time for events)."""
     times = [getattr(r, "end", None) or getattr(r, "time", None) or 0.0 for r in batch]
     return float(max(times, default=0.0))

@@ -240,6 +240,39 @@ def _build(cls: type, data: dict[str, Any]) -> Any:
     return cls(**data)
 
 
+@dataclass(slots=True)
+class SpooledTrajectory:
+    """A trajectory's spool line with only its head decoded: what a backend that writes lines
+    as they are (jsonl) needs when no processor would change the record. Decoding and encoding
+    a whole trajectory again cost the export process more than writing it."""
+
+    id: str
+    key: RolloutKey
+    start: float
+    end: float
+    line: bytes
+
+
+_TRAJECTORY_TAIL = b',"schema":' + orjson.dumps(SCHEMA_VERSION) + b',"record":"trajectory"}'
+_AFTER_HEAD = b',"status":'  # the field after id, key, start and end (no key field is named so)
+
+
+def spooled_trajectory(line: bytes) -> SpooledTrajectory | None:
+    """The head of a trajectory line of this schema; None for any other line."""
+    if not line.startswith(b'{"id":') or not line.endswith(_TRAJECTORY_TAIL):
+        return None
+    end = line.find(_AFTER_HEAD)
+    if end < 0:
+        return None
+    try:
+        head = orjson.loads(line[:end] + b"}")
+        return SpooledTrajectory(
+            head["id"], RolloutKey(**head["key"]), head["start"], head["end"], line
+        )
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
 def loads(line: bytes) -> Record:
     """The record a `dumps` line holds (the spool's way back from bytes to dataclasses).
 

@@ -125,6 +125,17 @@ class Token2Text:
         self._parser = tool_parser
         self._on_skip = on_skip
 
+    @property
+    def inactive(self) -> bool:
+        """Without a tokenizer it changes nothing (the runner may then skip decoding lines)."""
+        return self.tokenizers.empty
+
+    def passed_over(self, trajectories: int) -> None:
+        """Trajectories exported without coming here while inactive: skipped all the same."""
+        if self._on_skip is not None:
+            for _ in range(trajectories):
+                self._on_skip("no_tokenizer")
+
     def process(self, records: list[Record]) -> None:
         for record in records:
             if isinstance(record, Trajectory):

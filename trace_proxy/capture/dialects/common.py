@@ -116,7 +116,7 @@ def without_prompt_echo(body: bytes) -> bytes:
     found = body.find(ECHO_KEY)
     if found < 0:
         return body
-    pieces = []
+    pieces: list[bytes] = []
     done = 0
     while found >= 0:
         value = found + len(ECHO_KEY)
