@@ -6,6 +6,8 @@ import random
 import time
 
 import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from trace_proxy.capture.exchange import Exchange
@@ -13,7 +15,12 @@ from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
-from trace_proxy.trajectories.prompts import expand_prompts, share_prefixes
+from trace_proxy.trajectories.prompts import (
+    common_prefix,
+    expand_prompts,
+    extension,
+    share_prefixes,
+)
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory, dumps
 from trace_proxy.trajectories.rewards import Outcome
 
@@ -218,3 +225,17 @@ async def test_capture_queue_bounds_the_body_bytes_it_holds() -> None:
     stage.submit(exchange(800))  # everything parsed: the budget is free again
     await stage.stop()
     assert dropped._value.get() == 1
+
+
+small_ids = st.lists(st.integers(0, 3), max_size=12)
+
+
+@settings(max_examples=300, deadline=None)
+@given(small_ids, st.none() | small_ids, small_ids, st.text("ab", max_size=8))
+def test_a_prompt_is_compared_with_its_context_piece_by_piece_as_with_the_whole(
+    prompt: list[int], output: list[int] | None, new: list[int], text: str
+) -> None:
+    whole = prompt + (output or [])
+    assert extension(prompt, output, new) == common_prefix(whole, new)
+    assert extension(whole, None, new) == common_prefix(whole, new)
+    assert extension("ab", text, text + "ab") == common_prefix("ab" + text, text + "ab")

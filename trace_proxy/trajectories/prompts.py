@@ -19,17 +19,27 @@ from trace_proxy.trajectories.record import GenerateCall, Prompt
 MIN_SHARED = {"token_ids": 4, "text": 16, "messages": 1}
 
 
-def _context(full: Prompt, call: GenerateCall, kind: str) -> Sequence[Any] | None:
+def shared_with_context(full: Prompt, call: GenerateCall, kind: str, value: Any) -> int | None:
+    """How many leading items of `value` repeat `call`'s context (None: it has none of `kind`),
+    compared piece by piece: the context is not built (a 32k-id copy per call)."""
     first = call.outputs[0] if call.outputs else None
     if kind == "token_ids":
         if full.token_ids is None:
             return None
-        return [*full.token_ids, *(first.token_ids or [])] if first else full.token_ids
+        return extension(full.token_ids, first.token_ids if first else None, value)
     if kind == "text":
         if full.text is None:
             return None
-        return full.text + ((first.text or "") if first else "")
-    return full.messages
+        return extension(full.text, first.text if first else None, value)
+    return None if full.messages is None else common_prefix(full.messages, value)
+
+
+def extension(base: Sequence[Any], more: Sequence[Any] | None, value: Sequence[Any]) -> int:
+    """`common_prefix(base + more, value)`, without making `base + more`."""
+    shared = common_prefix(base, value)
+    if shared < len(base) or not more:
+        return shared
+    return shared + common_prefix(more, value[shared : shared + len(more)])
 
 
 def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
@@ -62,11 +72,10 @@ def share_prefixes(calls: list[GenerateCall]) -> None:
             suffixes: dict[str, Any] = {}
             for kind, min_shared in MIN_SHARED.items():
                 value = getattr(full, kind)
-                context = _context(prev_full, prev_call, kind)
-                if value is None or context is None:
+                if value is None:
                     continue
-                shared = common_prefix(context, value)
-                if shared >= min_shared:
+                shared = shared_with_context(prev_full, prev_call, kind, value)
+                if shared is not None and shared >= min_shared:
                     lengths[kind] = shared
                     suffixes[kind] = value[shared:]
             if lengths:
