@@ -529,6 +529,7 @@ OTHER_SECTIONS = (
     "\n## Stored volume per trajectory",
     "\n## Export backends",
     "\n## Soak: memory under sustained load",
+    "\n## Recording cost: two versions side by side",
 )
 
 

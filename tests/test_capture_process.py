@@ -252,6 +252,16 @@ def _gone(pid: int) -> bool:
         return True
 
 
+async def recorded_calls(session: aiohttp.ClientSession, admin: str) -> float:
+    async with session.get(admin + "/metrics") as response:
+        text = await response.text()
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith("trace_proxy_calls_recorded_total{")
+    )
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
     fake_vllm: tuple[Any, str], tmp_path: Path
@@ -259,11 +269,17 @@ async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
     """SIGKILL leaves no time to flush; the capture process sees its socket close, parses
     what it received, closes the open trajectories and exports them."""
     _, upstream = fake_vllm
-    process, proxy = await start_serve(upstream, tmp_path)
+    process, proxy, admin = await start_serve(upstream, tmp_path)
     try:
         async with aiohttp.ClientSession() as session:
             for _ in range(3):  # one open trajectory: never marked done
                 await chat(session, proxy, 7, 0, done=False)
+            # A client has its answer a moment before the exchange is handed over: kill the
+            # proxy only once the capture process has all three (what it holds is the test).
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + GUARD
+            while await recorded_calls(session, admin) < 3 and loop.time() < deadline:
+                await asyncio.sleep(0.05)  # the count is relayed periodically: polled
         helpers = _children(process.pid)
         assert helpers, "the capture process should be running"
     finally:

@@ -19,7 +19,8 @@ GUARD = 30
 
 async def start_serve(
     upstream: str, output: Path, *extra: str
-) -> tuple[asyncio.subprocess.Process, str]:
+) -> tuple[asyncio.subprocess.Process, str, str]:
+    """A `trace-proxy serve` process; its proxy and admin addresses from its ready line."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "trace_proxy", "serve", "--upstream", upstream,
         "--port", "0", "--admin-port", "0", "--output", str(output), *extra,
@@ -28,9 +29,9 @@ async def start_serve(
     )  # fmt: skip
     assert process.stdout is not None
     line = (await asyncio.wait_for(process.stdout.readline(), GUARD)).decode()
-    match = re.search(r"forwarding (http://\S+) ->", line)
+    match = re.search(r"forwarding (http://\S+) ->.* metrics at (http://\S+)/metrics", line)
     assert match, line
-    return process, match.group(1)
+    return process, match.group(1), match.group(2)
 
 
 async def test_sigterm_drains_in_flight_streams_then_flushes(tmp_path: Path) -> None:
@@ -55,7 +56,7 @@ async def test_sigterm_drains_in_flight_streams_then_flushes(tmp_path: Path) -> 
         return response
 
     async with scripted_upstream(upstream) as up:
-        process, proxy = await start_serve(up, tmp_path)
+        process, proxy, _ = await start_serve(up, tmp_path)
         async with aiohttp.ClientSession() as session:
             response = await session.post(
                 proxy + "/v1/completions",

@@ -84,8 +84,8 @@ def lower_priority(priority: str) -> None:
 
 def tune_gc() -> None:
     """Fewer cyclic collections: what the imports made is never collected again (frozen), and a
-    young collection waits for YOUNG_COLLECTION_EVERY allocations. Measured in the capture
-    process: 5-10% of its CPU went to collections (benchmarks/RESULTS.md)."""
+    young collection waits for YOUNG_COLLECTION_EVERY allocations. With the defaults, 5-10% of
+    the capture process's CPU went to collections when we profiled it."""
     gc.freeze()
     _, middle, old = gc.get_threshold()
     gc.set_threshold(YOUNG_COLLECTION_EVERY, middle, old)

@@ -254,13 +254,9 @@ class ExportRunner:
             if batch.corrupt:
                 dropped.labels(lane.name, "spool_corrupt").inc(batch.corrupt)
             processed = self._processed
-            if lane.spooled_lines and lane.replay_until is None and processed.inactive:
-                records: Numbered
-                records, bad = await loop.run_in_executor(
-                    lane.thread, processed.heads, batch.records
-                )
-            else:
-                records, bad = await loop.run_in_executor(lane.thread, processed.get, batch.records)
+            as_lines = lane.spooled_lines and lane.replay_until is None and processed.inactive
+            read = processed.heads if as_lines else processed.get
+            records, bad = await loop.run_in_executor(lane.thread, read, batch.records)
             if bad:
                 dropped.labels(lane.name, "spool_corrupt").inc(bad)
             if records:
