@@ -60,6 +60,7 @@ class Run:
     cpu: tuple[float, float, float]  # seconds per process, load and drain
     recorded: float
     dropped: float
+    peak_rss: float  # MiB, the three processes
 
     def per_request(self, index: int) -> float:
         return self.cpu[index] / self.sent * 1e6
@@ -120,6 +121,7 @@ def run_once(
             raise BenchError(f"{proxy.name} did not finish recording within 300 s")
         after = cpu_by_process(proxy)
         metrics = scrape(admin)
+        peak_rss = proxy.peak_rss_mib()
     finally:
         proxy.stop()
     return Run(
@@ -130,6 +132,7 @@ def run_once(
         cpu=(after[0] - before[0], after[1] - before[1], after[2] - before[2]),
         recorded=total(metrics, "trace_proxy_calls_recorded_total"),
         dropped=total(metrics, "trace_proxy_capture_dropped_total"),
+        peak_rss=peak_rss,
     )
 
 
@@ -140,10 +143,11 @@ def report(args: argparse.Namespace, runs: list[Run], head: str, base: str) -> s
         f"{','.join(args.cells)} --rounds {args.rounds} --duration {args.duration:g}`: "
         f"{head} against {base}, medians of {args.rounds} runs each, the two versions "
         "alternating. CPU is per request sent (µs) by process, and capture + export per call "
-        "recorded; a version that drops exchanges (falls behind) spends nothing on them.", "",
+        "recorded; a version that drops exchanges (falls behind) spends nothing on them. Peak RSS: "
+        "the highest resident memory of each of the three processes, added up.", "",
         "| cell | version | req/s | forwarding | capture | export | all | calls recorded "
-        "| dropped | capture + export per recorded call |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| dropped | capture + export per recorded call | peak RSS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for cell in args.cells:
         per_version = {}
@@ -156,10 +160,11 @@ def report(args: argparse.Namespace, runs: list[Run], head: str, base: str) -> s
             lines.append(
                 f"| {cell} | {version} | {med(r.rps for r in mine):.0f} | {values[0]:.0f} "
                 f"| {values[1]:.0f} | {values[2]:.0f} | {sum(values):.0f} | {recorded:.1%} "
-                f"| {med(r.dropped for r in mine):.0f} | {per_version[version]:.0f} |"
+                f"| {med(r.dropped for r in mine):.0f} | {per_version[version]:.0f} "
+                f"| {med(r.peak_rss for r in mine):.0f} MiB |"
             )
         change = per_version[head] / per_version[base] - 1
-        lines.append(f"| {cell} | change | | | | | | | | {change:+.0%} |")
+        lines.append(f"| {cell} | change | | | | | | | | {change:+.0%} | |")
     return "\n".join(lines) + "\n"
 
 
@@ -212,7 +217,8 @@ def main() -> int:
                     print(f"round {round_ + 1} {cell:12} {version:16} {run.rps:7.0f} req/s  "
                           f"µs/request {[round(run.per_request(i)) for i in range(3)]}  "
                           f"recorded {run.recorded:.0f}/{run.sent}  "
-                          f"per recorded call {run.per_recorded:.0f} µs", flush=True)  # fmt: skip
+                          f"per recorded call {run.per_recorded:.0f} µs  "
+                          f"peak RSS {run.peak_rss:.0f} MiB", flush=True)  # fmt: skip
     except BenchError as exc:
         print(f"recording_cost: {exc}", file=sys.stderr)
         return 2

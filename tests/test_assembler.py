@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 
@@ -239,3 +240,53 @@ def test_a_prompt_is_compared_with_its_context_piece_by_piece_as_with_the_whole(
     assert extension(prompt, output, new) == common_prefix(whole, new)
     assert extension(whole, None, new) == common_prefix(whole, new)
     assert extension("ab", text, text + "ab") == common_prefix("ab" + text, text + "ab")
+
+
+@st.composite
+def arrivals(draw: st.DrawFn) -> list[GenerateCall]:
+    """Calls of one trajectory in arrival order: turns that extend the last one's context,
+    re-rendered (branching) prompts, text-only prompts, and starts that tie or arrive late."""
+    sent: list[GenerateCall] = []
+    for _ in range(draw(st.integers(1, 7))):
+        kind = draw(st.sampled_from(["extends", "extends", "branches", "text"]))
+        start = draw(st.integers(0, 6))
+        output = draw(st.none() | st.lists(st.integers(0, 9), max_size=4))
+        previous = sent[-1] if sent else None
+        if kind == "text":
+            made = call(start, out=output)
+            made.prompt = Prompt(text=draw(st.text("ab", max_size=20)))
+        elif kind == "extends" and previous is not None and previous.prompt.token_ids:
+            context = previous.prompt.token_ids + (
+                (previous.outputs[0].token_ids or []) if previous.outputs else []
+            )
+            made = call(start, context + draw(small_ids), output)
+        else:
+            made = call(start, draw(st.lists(st.integers(0, 9), min_size=1, max_size=12)), output)
+        sent.append(made)
+    return sent
+
+
+@settings(max_examples=400, deadline=None)
+@given(arrivals())
+def test_prompt_ids_shared_as_calls_arrive_make_the_record_sharing_at_the_end_makes(
+    sent: list[GenerateCall],
+) -> None:
+    full = [copy.deepcopy(c) for c in sent]
+    assembler, out = make()
+    for made in sent:
+        assembler.add_call(hints(step=1, sample_index=0, rollout_n=0), made)
+    assembler.close_all()
+    [built] = out
+    assert isinstance(built, Trajectory)
+    expected = sorted(copy.deepcopy(full), key=lambda c: c.start)
+    prompt_tokens = sum(len(c.prompt.token_ids or ()) for c in expected)
+    share_prefixes(expected)
+    assert [orjson.dumps(c.prompt) for c in built.calls] == [
+        orjson.dumps(c.prompt) for c in expected
+    ]
+    assert built.summary["prompt_tokens"] == prompt_tokens
+    stored = orjson.loads(dumps(built))
+    in_order = sorted(full, key=lambda c: c.start)
+    assert [p["token_ids"] for p in expand_prompts(stored)] == [
+        c.prompt.token_ids for c in in_order
+    ]

@@ -22,7 +22,7 @@ from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
 from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
-from trace_proxy.trajectories.prompts import share_prefixes
+from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
 from trace_proxy.trajectories.record import (
     GenerateCall,
     Record,
@@ -33,6 +33,8 @@ from trace_proxy.trajectories.record import (
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
+
+IdsShared = tuple[GenerateCall, int, int]
 
 
 @dataclass
@@ -45,6 +47,12 @@ class _Open:
     tools: list[ToolCall] = field(default_factory=list)  # seen directly (HTTP tool servers)
     annotations: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # rewards posted while open
+    # Prompt ids are shared as calls arrive (see `_share_ids`): the call that started last (the
+    # last added of those that started together) and its full prompt ids; for each later call,
+    # by id(): (the call it extends, ids shared, its full length).
+    latest: GenerateCall | None = None
+    latest_ids: list[int] | None = None
+    extends: dict[int, IdsShared] = field(default_factory=dict)
 
 
 class Assembler:
@@ -143,10 +151,11 @@ class Assembler:
         if found is None:
             return
         trajectory, single = found
-        latest = max(trajectory.calls, key=lambda c: c.start) if trajectory.calls else None
-        if latest is not None and resumes(latest, call):
+        latest = trajectory.latest
+        if latest is not None and resumes(latest, call, trajectory.latest_ids):
             merge_resumed(latest, call)
         else:
+            _share_ids(trajectory, latest, call)
             trajectory.calls.append(call)
         if single:
             self._finish_later(trajectory, "single_call")
@@ -343,21 +352,68 @@ class Assembler:
             self._on_close(reason)
 
 
+def _share_ids(trajectory: _Open, latest: GenerateCall | None, call: GenerateCall) -> None:
+    """Store a new call's prompt ids as what follows the latest call's context, as it arrives:
+    an open trajectory then holds one full prompt, not one per turn (32k-id prompts take about
+    1.2 MB each as Python ints). `build_trajectory` turns this into the record's prefix
+    references, or undoes it when calls turned out to have started in another order."""
+    ids = call.prompt.token_ids
+    if latest is not None and call.start < latest.start:
+        return  # an earlier start arriving late: left whole, sorted out at build
+    if latest is not None and ids is not None:
+        base, first = trajectory.latest_ids, latest.outputs[0] if latest.outputs else None
+        shared = extension(base, first.token_ids if first else None, ids) if base else 0
+        trajectory.extends[id(call)] = (latest, shared, len(ids))
+        if shared >= MIN_SHARED["token_ids"]:
+            call.prompt.token_ids = ids[shared:]
+    trajectory.latest, trajectory.latest_ids = call, ids
+
+
+def _prompt_ids_as_arrived(calls: list[GenerateCall], extends: dict[int, IdsShared]) -> bool:
+    """Do `extends` still describe `calls` in start order (each extends the call before it)?
+    If not, every prompt gets its full ids back and False says so."""
+    previous: GenerateCall | None = None
+    in_order = True
+    for call in calls:
+        found = extends.get(id(call))
+        if call.prompt.token_ids is not None and previous is not None:
+            in_order = in_order and found is not None and found[0] is previous
+        previous = call
+    if in_order:
+        return True
+    full: dict[int, list[int] | None] = {}
+    for call in calls:  # start order: what a call extends comes before it
+        ids = call.prompt.token_ids
+        found = extends.get(id(call))
+        if found is not None and ids is not None and found[1] >= MIN_SHARED["token_ids"]:
+            base, shared, _ = found
+            first = base.outputs[0].token_ids if base.outputs else None
+            ids = [*(full[id(base)] or ()), *(first or ())][:shared] + ids
+            call.prompt.token_ids = ids
+        full[id(call)] = ids
+    extends.clear()
+    return False
+
+
 def build_trajectory(open_: _Open, reason: str) -> Trajectory:
     calls = sorted(open_.calls, key=lambda c: c.start)
     for index, call in enumerate(calls):
         call.index = index
+    extends = open_.extends
+    _prompt_ids_as_arrived(calls, extends)
     tools = sorted([*open_.tools, *chat_tool_spans(calls)], key=lambda t: t.start)
     for index, tool in enumerate(tools):
         tool.index = index
     prompt_tokens = completion_tokens = 0
-    for call in calls:  # before prefix sharing shortens the stored prompts
+    for call in calls:
         usage = call.usage or {}
-        prompt_tokens += int(usage.get("prompt_tokens") or len(call.prompt.token_ids or ()))
+        found = extends.get(id(call))
+        prompt_ids = found[2] if found is not None else len(call.prompt.token_ids or ())
+        prompt_tokens += int(usage.get("prompt_tokens") or prompt_ids)
         completion_tokens += int(
             usage.get("completion_tokens") or sum(len(o.token_ids or ()) for o in call.outputs)
         )
-    share_prefixes(calls)
+    share_prefixes(calls, {key: (base, shared) for key, (base, shared, _) in extends.items()})
     _store_once(calls)
     errors = sum(1 for c in calls if c.error is not None)
     reward = score = None
@@ -414,15 +470,19 @@ def _awaits_resume(trajectory: _Open) -> bool:
     return bool(latest.outputs) and latest.outputs[0].finish_reason == "abort"
 
 
-def resumes(previous: GenerateCall, call: GenerateCall) -> bool:
+def resumes(
+    previous: GenerateCall, call: GenerateCall, previous_ids: list[int] | None = None
+) -> bool:
     """Is `call` the interrupted `previous` generate, re-sent with what it had generated so far
-    (AReaL after an abort)?"""
+    (AReaL after an abort)? `previous_ids`: its full prompt ids, when the record keeps only
+    their tail."""
     first = previous.outputs[0] if previous.outputs else None
     if first is None or first.finish_reason != "abort":
         return False
     before, now = previous.prompt, call.prompt
-    if before.token_ids is not None and now.token_ids is not None:
-        return now.token_ids == [*before.token_ids, *(first.token_ids or [])]
+    before_ids = before.token_ids if previous_ids is None else previous_ids
+    if before_ids is not None and now.token_ids is not None:
+        return now.token_ids == [*before_ids, *(first.token_ids or [])]
     if before.text is not None and now.text is not None:
         return now.text == before.text + (first.text or "")
     return False

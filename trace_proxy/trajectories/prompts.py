@@ -10,7 +10,7 @@ token ids and text, its messages for chat (the client re-sends the assistant tur
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from trace_proxy.trajectories.record import GenerateCall, Prompt
@@ -57,12 +57,18 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
     return low
 
 
-def share_prefixes(calls: list[GenerateCall]) -> None:
+def share_prefixes(
+    calls: list[GenerateCall], known: Mapping[int, tuple[GenerateCall, int]] | None = None
+) -> None:
     """Rewrite each call's prompt as a reference to the previous call plus the new suffix.
 
     Only the immediately preceding call is a candidate: that is what multi-turn agents extend,
-    and it keeps the work linear.
+    and it keeps the work linear. `known`, by id() of a call: the call before it and how many
+    of its context's token ids the call's prompt shares, compared already (the assembler does
+    it as calls arrive); its `token_ids` then hold only what follows them when that is at
+    least MIN_SHARED.
     """
+    known = known or {}
     previous: tuple[int, Prompt, GenerateCall] | None = None
     for position, call in enumerate(calls):
         full = call.prompt
@@ -73,6 +79,11 @@ def share_prefixes(calls: list[GenerateCall]) -> None:
             for kind, min_shared in MIN_SHARED.items():
                 value = getattr(full, kind)
                 if value is None:
+                    continue
+                compared = known.get(id(call)) if kind == "token_ids" else None
+                if compared is not None and compared[0] is prev_call:
+                    if compared[1] >= min_shared:  # `value` holds what follows already
+                        lengths[kind], suffixes[kind] = compared[1], value
                     continue
                 shared = shared_with_context(prev_full, prev_call, kind, value)
                 if shared is not None and shared >= min_shared:
