@@ -40,6 +40,7 @@ from benchlib.procs import (  # noqa: E402
     Proc,
     child_env,
     cpu_seconds,
+    peak_rss_kib,
     start_upstream,
     trace_proxy_argv,
     wait_for_line,
@@ -60,7 +61,7 @@ class Run:
     cpu: tuple[float, float, float]  # seconds per process, load and drain
     recorded: float
     dropped: float
-    peak_rss: float  # MiB, the three processes
+    peak_rss: tuple[float, float, float]  # MiB, by process
 
     def per_request(self, index: int) -> float:
         return self.cpu[index] / self.sent * 1e6
@@ -97,6 +98,11 @@ def cpu_by_process(proc: Proc) -> tuple[float, float, float]:
     return first, second, third
 
 
+def peak_rss_by_process(proc: Proc) -> tuple[float, float, float]:
+    first, second, third = (peak_rss_kib(pid) / 1024 for pid in proc.pids())
+    return first, second, third
+
+
 def run_once(
     args: argparse.Namespace, workdir: Path, upstream: str, version: str, tree: Path | None,
     cell: str, number: int,
@@ -121,7 +127,7 @@ def run_once(
             raise BenchError(f"{proxy.name} did not finish recording within 300 s")
         after = cpu_by_process(proxy)
         metrics = scrape(admin)
-        peak_rss = proxy.peak_rss_mib()
+        peak_rss = peak_rss_by_process(proxy)
     finally:
         proxy.stop()
     return Run(
@@ -144,10 +150,10 @@ def report(args: argparse.Namespace, runs: list[Run], head: str, base: str) -> s
         f"{head} against {base}, medians of {args.rounds} runs each, the two versions "
         "alternating. CPU is per request sent (µs) by process, and capture + export per call "
         "recorded; a version that drops exchanges (falls behind) spends nothing on them. Peak RSS: "
-        "the highest resident memory of each of the three processes, added up.", "",
+        "the highest resident memory of the capture process, and of the three added up.", "",
         "| cell | version | req/s | forwarding | capture | export | all | calls recorded "
-        "| dropped | capture + export per recorded call | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| dropped | capture + export per recorded call | peak RSS capture | peak RSS all |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for cell in args.cells:
         per_version = {}
@@ -161,10 +167,11 @@ def report(args: argparse.Namespace, runs: list[Run], head: str, base: str) -> s
                 f"| {cell} | {version} | {med(r.rps for r in mine):.0f} | {values[0]:.0f} "
                 f"| {values[1]:.0f} | {values[2]:.0f} | {sum(values):.0f} | {recorded:.1%} "
                 f"| {med(r.dropped for r in mine):.0f} | {per_version[version]:.0f} "
-                f"| {med(r.peak_rss for r in mine):.0f} MiB |"
+                f"| {med(r.peak_rss[1] for r in mine):.0f} MiB "
+                f"| {med(sum(r.peak_rss) for r in mine):.0f} MiB |"
             )
         change = per_version[head] / per_version[base] - 1
-        lines.append(f"| {cell} | change | | | | | | | | {change:+.0%} | |")
+        lines.append(f"| {cell} | change | | | | | | | | {change:+.0%} | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -218,7 +225,8 @@ def main() -> int:
                           f"µs/request {[round(run.per_request(i)) for i in range(3)]}  "
                           f"recorded {run.recorded:.0f}/{run.sent}  "
                           f"per recorded call {run.per_recorded:.0f} µs  "
-                          f"peak RSS {run.peak_rss:.0f} MiB", flush=True)  # fmt: skip
+                          f"peak RSS MiB {[round(m) for m in run.peak_rss]}",
+                          flush=True)  # fmt: skip
     except BenchError as exc:
         print(f"recording_cost: {exc}", file=sys.stderr)
         return 2
