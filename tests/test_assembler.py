@@ -266,15 +266,22 @@ def arrivals(draw: st.DrawFn) -> list[GenerateCall]:
     return sent
 
 
+# How a client may write its ids: the assembler compares the texts when it has them.
+id_texts = st.sampled_from([None, ",", ", ", " , "])
+
+
 @settings(max_examples=400, deadline=None)
-@given(arrivals())
+@given(arrivals(), st.lists(id_texts, min_size=7, max_size=7))
 def test_prompt_ids_shared_as_calls_arrive_make_the_record_sharing_at_the_end_makes(
-    sent: list[GenerateCall],
+    sent: list[GenerateCall], separators: list[str | None]
 ) -> None:
     full = [copy.deepcopy(c) for c in sent]
     assembler, out = make()
-    for made in sent:
-        assembler.add_call(hints(step=1, sample_index=0, rollout_n=0), made)
+    for made, separator in zip(sent, separators, strict=False):
+        ids = made.prompt.token_ids
+        text = None if separator is None or ids is None else separator.join(map(str, ids))
+        encoded = None if text is None else text.encode()
+        assembler.add_call(hints(step=1, sample_index=0, rollout_n=0), made, ids_text=encoded)
     assembler.close_all()
     [built] = out
     assert isinstance(built, Trajectory)
@@ -290,3 +297,19 @@ def test_prompt_ids_shared_as_calls_arrive_make_the_record_sharing_at_the_end_ma
     assert [p["token_ids"] for p in expand_prompts(stored)] == [
         c.prompt.token_ids for c in in_order
     ]
+
+
+def test_a_prompt_whose_text_only_starts_like_the_last_one_is_compared_id_by_id() -> None:
+    """'7, 7, 7, 1, 2' begins '7, 7, 7, 1, 23, 5', but only 4 of its 5 ids are shared."""
+    assembler, out = make()
+    key = hints(step=1, sample_index=0, rollout_n=0)
+    prompts = ([7, 7, 7, 1, 2], [7, 7, 7, 1, 23, 5])
+    for start, ids in enumerate(prompts):
+        text = ", ".join(map(str, ids)).encode()
+        assembler.add_call(key, call(start, list(ids), out=[]), ids_text=text)
+    assembler.close_all()
+    [built] = out
+    assert isinstance(built, Trajectory)
+    assert built.calls[1].prompt.prefix_len == {"token_ids": 4}
+    stored = orjson.loads(dumps(built))
+    assert [p["token_ids"] for p in expand_prompts(stored)] == list(prompts)

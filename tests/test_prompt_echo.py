@@ -1,5 +1,6 @@
-"""The prompt's ids that vLLM echoes are not decoded when the request carried them: the record
-must be the one a full decode gives, and every other field of the response must be untouched."""
+"""Token-id lists that cost the capture process most: the prompt's ids that vLLM echoes are not
+decoded when the request carried them, and a request's ids are found as JSON text too. The
+record must be the one a full decode gives, and every other field must be untouched."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from trace_proxy.capture.dialects import openai_completions, vllm_generate
-from trace_proxy.capture.dialects.common import without_prompt_echo
+from trace_proxy.capture.dialects.common import decode_request, without_prompt_echo
 from trace_proxy.capture.exchange import Exchange
 
 ECHO = "prompt_token_ids"
@@ -146,3 +147,33 @@ def test_vllm_generate_records_the_request_ids_and_every_output_field() -> None:
     assert call.usage == response["usage"]
     assert call.outputs[0].token_ids == [12095, 13]
     assert call.outputs[0].logprobs == [-0.5, -0.25]
+
+
+id_lists = st.lists(st.integers(min_value=0, max_value=200_000), max_size=30)
+requests = st.fixed_dictionaries(
+    {"prompt": id_lists | st.lists(id_lists, min_size=1, max_size=3) | st.text(max_size=10)},
+    optional={
+        "model": st.text(max_size=8),
+        "metadata": st.dictionaries(st.sampled_from(["prompt", "note"]), id_lists | st.text()),
+        "stop": st.lists(st.sampled_from(["]", '"prompt":[', "[1]"]), max_size=3),
+        "max_tokens": st.integers(0, 100),
+    },
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(requests, separators, st.booleans())
+def test_a_request_decoded_in_two_parts_is_the_request_and_its_ids_text_their_text(
+    request: dict[str, Any], separator: tuple[str, str], prompt_first: bool
+) -> None:
+    if not prompt_first:  # the field after the others, nested "prompt" keys first
+        others = {k: v for k, v in request.items() if k != "prompt"}
+        request = {**others, "prompt": request["prompt"]}
+    body = json.dumps(request, separators=separator).encode()
+    decoded, text = decode_request(body, "prompt")
+    assert decoded == orjson.loads(body)
+    if text is not None:
+        assert orjson.loads(b"[" + text + b"]") == decoded["prompt"]
+        assert text == text.strip()
+    if plain_ids(request["prompt"]) and "prompt" not in request.get("metadata", {}):
+        assert text is not None  # the usual request: the text is found

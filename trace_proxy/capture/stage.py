@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 
 from trace_proxy.capture.control import parse_event
-from trace_proxy.capture.dialects import DIALECTS, ParsedCall, ParseError
-from trace_proxy.capture.dialects.common import exchange_failure, new_call
+from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
+from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
@@ -177,8 +177,10 @@ class CaptureStage:
             return
         dialect, parser = DIALECTS[exchange.path]
         request: Any = None
+        ids_text: bytes | None = None
         try:
-            request = orjson.loads(exchange.request_body)
+            ids_field = PROMPT_IDS.get(exchange.path)
+            request, ids_text = decode_request(exchange.request_body, ids_field)
             if not isinstance(request, dict):
                 raise ParseError("request body is not a JSON object")
             parsed = parser(exchange, request)
@@ -187,6 +189,7 @@ class CaptureStage:
         except Exception as exc:  # a parser bug must not lose the call
             log.exception("parser %s failed on %s", dialect, exchange.path)
             parsed = [self._unparsed(exchange, dialect, request, f"parser error: {exc!r}")]
+        ids = request.get(ids_field) if ids_text is not None and ids_field else None
         for item in parsed:
             hints = self._resolver.resolve(
                 exchange.request_headers, exchange.path_metadata, item.body
@@ -195,7 +198,9 @@ class CaptureStage:
                 self._metrics.calls_unparsed if item.call.unparsed else self._metrics.calls_recorded
             )
             counter.labels(dialect).inc()
-            self._assembler.add_call(hints, item.call, admitted=exchange.admitted)
+            # The text goes with the call whose prompt is that very list.
+            text = ids_text if ids is not None and item.call.prompt.token_ids is ids else None
+            self._assembler.add_call(hints, item.call, admitted=exchange.admitted, ids_text=text)
         self._metrics.open_trajectories.set(self._assembler.open_count)
 
     def _tool_call(self, exchange: Exchange) -> None:

@@ -52,6 +52,7 @@ class _Open:
     # by id(): (the call it extends, ids shared, its full length).
     latest: GenerateCall | None = None
     latest_ids: list[int] | None = None
+    latest_text: bytes | None = None  # the JSON text latest_ids were decoded from, if known
     extends: dict[int, IdsShared] = field(default_factory=dict)
 
 
@@ -142,8 +143,15 @@ class Assembler:
         self._close_older_steps(key)
         return False
 
-    def add_call(self, hints: KeyHints, call: GenerateCall, admitted: bool = False) -> None:
-        """`admitted`: the sampler already let this call in (see `admit_early`)."""
+    def add_call(
+        self,
+        hints: KeyHints,
+        call: GenerateCall,
+        admitted: bool = False,
+        ids_text: bytes | None = None,
+    ) -> None:
+        """`admitted`: the sampler already let this call in (see `admit_early`). `ids_text`:
+        the JSON text the call's prompt ids were decoded from (see `decode_request`)."""
         key = self._key(hints)
         if self._identity(key) is None and self._inference is not None:
             self._inference.place(key, call)
@@ -155,7 +163,7 @@ class Assembler:
         if latest is not None and resumes(latest, call, trajectory.latest_ids):
             merge_resumed(latest, call)
         else:
-            _share_ids(trajectory, latest, call)
+            _share_ids(trajectory, latest, call, ids_text)
             trajectory.calls.append(call)
         if single:
             self._finish_later(trajectory, "single_call")
@@ -352,7 +360,9 @@ class Assembler:
             self._on_close(reason)
 
 
-def _share_ids(trajectory: _Open, latest: GenerateCall | None, call: GenerateCall) -> None:
+def _share_ids(
+    trajectory: _Open, latest: GenerateCall | None, call: GenerateCall, text: bytes | None
+) -> None:
     """Store a new call's prompt ids as what follows the latest call's context, as it arrives:
     an open trajectory then holds one full prompt, not one per turn (32k-id prompts take about
     1.2 MB each as Python ints). `build_trajectory` turns this into the record's prefix
@@ -362,11 +372,26 @@ def _share_ids(trajectory: _Open, latest: GenerateCall | None, call: GenerateCal
         return  # an earlier start arriving late: left whole, sorted out at build
     if latest is not None and ids is not None:
         base, first = trajectory.latest_ids, latest.outputs[0] if latest.outputs else None
-        shared = extension(base, first.token_ids if first else None, ids) if base else 0
+        output = first.token_ids if first else None
+        if base and text is not None and _text_extends(text, trajectory.latest_text):
+            # The same JSON text, then a comma: the same ids, without comparing them one by one.
+            shared = len(base) + extension((), output, ids[len(base) :])
+        else:
+            shared = extension(base, output, ids) if base else 0
         trajectory.extends[id(call)] = (latest, shared, len(ids))
         if shared >= MIN_SHARED["token_ids"]:
             call.prompt.token_ids = ids[shared:]
     trajectory.latest, trajectory.latest_ids = call, ids
+    trajectory.latest_text = text if ids is not None else None
+
+
+def _text_extends(text: bytes, base: bytes | None) -> bool:
+    """Is `text` (a list's JSON text) `base` followed by more items?"""
+    return (
+        base is not None
+        and text.startswith(base)
+        and text[len(base) : len(base) + 8].lstrip()[:1] == b","
+    )
 
 
 def _prompt_ids_as_arrived(calls: list[GenerateCall], extends: dict[int, IdsShared]) -> bool:

@@ -27,6 +27,7 @@ from trace_proxy.trajectories.record import Output, Prompt
 
 NAME = "openai.completions"
 ROUTES = ("/v1/completions",)
+PROMPT_IDS = "prompt"  # the request field that may hold the prompt's token ids
 
 
 def _prompts(request: Mapping[str, Any]) -> list[Prompt]:

@@ -25,6 +25,7 @@ from trace_proxy.trajectories.record import Output, Prompt
 
 NAME = "sglang.generate"
 ROUTES = ("/generate",)
+PROMPT_IDS = "input_ids"  # the request field that may hold the prompt's token ids
 
 
 def _prompts(request: Mapping[str, Any]) -> list[Prompt]:

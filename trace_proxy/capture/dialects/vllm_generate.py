@@ -26,6 +26,7 @@ from trace_proxy.trajectories.record import Output
 
 NAME = "vllm.generate"
 ROUTES = ("/inference/v1/generate",)
+PROMPT_IDS = "token_ids"  # the request field that may hold the prompt's token ids
 
 
 def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
