@@ -394,9 +394,9 @@ def _text_extends(text: bytes, base: bytes | None) -> bool:
     )
 
 
-def _prompt_ids_as_arrived(calls: list[GenerateCall], extends: dict[int, IdsShared]) -> bool:
-    """Do `extends` still describe `calls` in start order (each extends the call before it)?
-    If not, every prompt gets its full ids back and False says so."""
+def _check_arrival_order(calls: list[GenerateCall], extends: dict[int, IdsShared]) -> None:
+    """Keep `extends` while they describe `calls` in start order (each call extends the one
+    before it); else give every prompt its full ids back and forget them."""
     previous: GenerateCall | None = None
     in_order = True
     for call in calls:
@@ -405,7 +405,7 @@ def _prompt_ids_as_arrived(calls: list[GenerateCall], extends: dict[int, IdsShar
             in_order = in_order and found is not None and found[0] is previous
         previous = call
     if in_order:
-        return True
+        return
     full: dict[int, list[int] | None] = {}
     for call in calls:  # start order: what a call extends comes before it
         ids = call.prompt.token_ids
@@ -417,7 +417,6 @@ def _prompt_ids_as_arrived(calls: list[GenerateCall], extends: dict[int, IdsShar
             call.prompt.token_ids = ids
         full[id(call)] = ids
     extends.clear()
-    return False
 
 
 def build_trajectory(open_: _Open, reason: str) -> Trajectory:
@@ -425,7 +424,7 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
     for index, call in enumerate(calls):
         call.index = index
     extends = open_.extends
-    _prompt_ids_as_arrived(calls, extends)
+    _check_arrival_order(calls, extends)
     tools = sorted([*open_.tools, *chat_tool_spans(calls)], key=lambda t: t.start)
     for index, tool in enumerate(tools):
         tool.index = index
