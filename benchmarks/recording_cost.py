@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,15 +40,13 @@ from benchlib.procs import (  # noqa: E402
     child_env,
     cpu_seconds,
     peak_rss_kib,
+    start_trace_proxy,
     start_upstream,
-    trace_proxy_argv,
-    wait_for_line,
 )
 from benchlib.recording import scrape, total, wait_drained  # noqa: E402
 from benchlib.workload import PATH, parse_mode  # noqa: E402
 
 SECTION = "## Recording cost: two versions side by side"
-PROCESSES = ("forwarding", "capture", "export")
 
 
 @dataclass
@@ -72,26 +69,9 @@ class Run:
         return (self.cpu[1] + self.cpu[2]) / max(self.recorded, 1) * 1e6
 
 
-def start_proxy(
-    workdir: Path, upstream: str, tree: Path | None, name: str
-) -> tuple[Proc, str, str]:
-    env = child_env()
-    if tree is not None:
-        env["PYTHONPATH"] = f"{tree}:{env['PYTHONPATH']}"
-    log = workdir / f"{name}.log"
-    with log.open("wb") as out:
-        popen = subprocess.Popen(
-            trace_proxy_argv(upstream, workdir / f"store-{name}"),
-            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=workdir,
-        )  # fmt: skip
-    proc = Proc(name, popen, log)
-    match = wait_for_line(proc, r"trace-proxy: forwarding (\S+) -> .*metrics at (\S+)/metrics")
-    time.sleep(0.5)  # let the helper processes finish starting before their CPU is read
-    return proc, match.group(1), match.group(2)
-
-
 def cpu_by_process(proc: Proc) -> tuple[float, float, float]:
-    pids = proc.pids()  # forwarding, capture, export (parents before children)
+    pids = proc.pids()  # forwarding, capture, export (parents before children; all are up
+    # once the proxy has printed its ready line)
     if len(pids) != 3:
         raise BenchError(f"{proc.name}: expected 3 processes, found {len(pids)}")
     first, second, third = (cpu_seconds(pid) for pid in pids)
@@ -109,7 +89,8 @@ def run_once(
 ) -> Run:  # fmt: skip
     mode_name, _, concurrency = cell.partition(":")
     mode = parse_mode(mode_name)
-    proxy, url, admin = start_proxy(workdir, upstream, tree, f"{version}-{number}")
+    name = f"{version}-{number}"
+    proxy, url, admin = start_trace_proxy(workdir, upstream, name, source=tree)
     try:
         before = cpu_by_process(proxy)
         argv = [sys.executable, "-m", "benchlib.loadgen", "--url", url + PATH,

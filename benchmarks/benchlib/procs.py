@@ -68,15 +68,19 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def spawn(name: str, argv: list[str], workdir: Path) -> Proc:
+def spawn(name: str, argv: list[str], workdir: Path, source: Path | None = None) -> Proc:
+    """`source`: a checkout whose `trace_proxy` is imported instead of the installed one."""
     log = workdir / f"{name}.log"
+    env = child_env()
+    if source is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(source), env["PYTHONPATH"]])
     with log.open("wb") as out:
         popen = subprocess.Popen(
             argv,
             stdout=out,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=child_env(),
+            env=env,
             cwd=workdir,  # `-m` puts the cwd first on sys.path: no stray checkout shadows imports
         )
     return Proc(name, popen, log)
@@ -140,11 +144,15 @@ def trace_proxy_argv(upstream: str, store: Path, extra: list[str] | None = None)
 
 
 def start_trace_proxy(
-    workdir: Path, upstream: str, name: str = "trace-proxy", extra: list[str] | None = None
+    workdir: Path,
+    upstream: str,
+    name: str = "trace-proxy",
+    extra: list[str] | None = None,
+    source: Path | None = None,
 ) -> tuple[Proc, str, str]:
     """Returns the process, its proxy URL and its admin URL (both from its ready line)."""
     store = workdir / ("store" if name == "trace-proxy" else f"store-{name}")
-    proc = spawn(name, trace_proxy_argv(upstream, store, extra), workdir)
+    proc = spawn(name, trace_proxy_argv(upstream, store, extra), workdir, source)
     match = wait_for_line(proc, r"trace-proxy: forwarding (\S+) -> .*metrics at (\S+)/metrics")
     return proc, match.group(1), match.group(2)
 
