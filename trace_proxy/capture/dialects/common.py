@@ -100,6 +100,16 @@ def load_json(body: bytes) -> Any:
         raise ParseError(f"response is not JSON: {exc}") from None
 
 
+def _list_after(body: bytes, position: int) -> tuple[int, int] | None:
+    """Where the `[` that follows `position` (after blanks) and the first `]` after it are."""
+    while position < len(body) and body[position] in b" \t\r\n":
+        position += 1
+    end = body.find(b"]", position)
+    if body[position : position + 1] != b"[" or end < 0:
+        return None
+    return position, end
+
+
 def decode_request(body: bytes, ids_field: str | None) -> tuple[Any, bytes | None]:
     """The request as `orjson.loads` gives it, and the JSON text of its top-level `ids_field`
     list (between the brackets, trimmed) when that is where the list of ids is.
@@ -117,12 +127,10 @@ def decode_request(body: bytes, ids_field: str | None) -> tuple[Any, bytes | Non
     found = body.find(key)
     if found < 0:
         return orjson.loads(body), None
-    start = found + len(key)
-    while start < len(body) and body[start] in b" \t\r\n":
-        start += 1
-    end = body.find(b"]", start)
-    if body[start : start + 1] != b"[" or end < 0:
+    span = _list_after(body, found + len(key))
+    if span is None:
         return orjson.loads(body), None
+    start, end = span
     rest = body[:start] + b"null" + body[end + 1 :]
     try:
         request = orjson.loads(rest)
@@ -159,12 +167,10 @@ def without_prompt_echo(body: bytes) -> bytes:
     pieces: list[bytes] = []
     done = 0
     while found >= 0:
-        value = found + len(ECHO_KEY)
-        while value < len(body) and body[value] in b" \t\r\n":
-            value += 1
-        end = body.find(b"]", value)
-        if body[value : value + 1] != b"[" or end < 0:
+        span = _list_after(body, found + len(ECHO_KEY))
+        if span is None:
             return body
+        value, end = span
         if body[value + 1 : end].translate(None, _INT_LIST_BYTES):
             return body  # not a plain list of ids
         pieces += (body[done:value], b"null")
