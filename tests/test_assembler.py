@@ -313,3 +313,30 @@ def test_a_prompt_whose_text_only_starts_like_the_last_one_is_compared_id_by_id(
     assert built.calls[1].prompt.prefix_len == {"token_ids": 4}
     stored = orjson.loads(dumps(built))
     assert [p["token_ids"] for p in expand_prompts(stored)] == list(prompts)
+
+
+def test_a_resumed_generate_is_recognised_when_only_the_text_of_its_prompt_is_kept() -> None:
+    """The open trajectory keeps the latest prompt as its JSON text; an abort decodes it."""
+    assembler, out = make()
+    key = hints(step=1, sample_index=0, rollout_n=0)
+    prompt = list(range(100, 140))
+
+    def send(start: float, ids: list[int], output: list[int], finish: str) -> None:
+        made = call(start, ids, output)
+        made.outputs[0].finish_reason = finish
+        assembler.add_call(key, made, ids_text=", ".join(map(str, ids)).encode())
+
+    send(0, prompt, [1, 2, 3], "abort")
+    send(1, [*prompt, 1, 2, 3], [4, 5], "stop")
+    send(2, [*prompt, 1, 2, 3, 4, 5, 60, 61], [6], "stop")
+    assembler.close_all()
+    [built] = out
+    assert isinstance(built, Trajectory)
+    assert [c.outputs[0].token_ids for c in built.calls] == [[1, 2, 3, 4, 5], [6]]
+    assert built.calls[1].prompt.prefix_len == {"token_ids": 45}
+    assert built.calls[1].prompt.token_ids == [60, 61]
+    stored = orjson.loads(dumps(built))
+    assert [p["token_ids"] for p in expand_prompts(stored)] == [
+        prompt,
+        [*prompt, 1, 2, 3, 4, 5, 60, 61],
+    ]

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import orjson
+
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
 from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.trajectories.gate import SamplingGate
@@ -48,12 +50,20 @@ class _Open:
     annotations: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # rewards posted while open
     # Prompt ids are shared as calls arrive (see `_share_ids`): the call that started last (the
-    # last added of those that started together) and its full prompt ids; for each later call,
-    # by id(): (the call it extends, ids shared, its full length).
+    # last added of those that started together) and its full prompt ids, as the JSON text they
+    # were decoded from when known (a fifth of the memory of the ints), else as a list; for
+    # each later call, by id(): (the call it extends, ids shared, its full length).
     latest: GenerateCall | None = None
     latest_ids: list[int] | None = None
-    latest_text: bytes | None = None  # the JSON text latest_ids were decoded from, if known
+    latest_text: bytes | None = None
+    latest_count: int = 0  # how many ids latest_text holds
     extends: dict[int, IdsShared] = field(default_factory=dict)
+
+    def full_latest_ids(self) -> list[int] | None:
+        if self.latest_text is not None:
+            ids: list[int] = orjson.loads(b"[" + self.latest_text + b"]")
+            return ids
+        return self.latest_ids
 
 
 class Assembler:
@@ -160,7 +170,7 @@ class Assembler:
             return
         trajectory, single = found
         latest = trajectory.latest
-        if latest is not None and resumes(latest, call, trajectory.latest_ids):
+        if latest is not None and resumes(latest, call, trajectory.full_latest_ids):
             merge_resumed(latest, call)
         else:
             _share_ids(trajectory, latest, call, ids_text)
@@ -371,18 +381,23 @@ def _share_ids(
     if latest is not None and call.start < latest.start:
         return  # an earlier start arriving late: left whole, sorted out at build
     if latest is not None and ids is not None:
-        base, first = trajectory.latest_ids, latest.outputs[0] if latest.outputs else None
+        first = latest.outputs[0] if latest.outputs else None
         output = first.token_ids if first else None
-        if base and text is not None and _text_extends(text, trajectory.latest_text):
+        count = trajectory.latest_count
+        if count and text is not None and _text_extends(text, trajectory.latest_text):
             # The same JSON text, then a comma: the same ids, without comparing them one by one.
-            shared = len(base) + extension((), output, ids[len(base) :])
+            shared = count + extension((), output, ids[count:])
         else:
+            base = trajectory.full_latest_ids()
             shared = extension(base, output, ids) if base else 0
         trajectory.extends[id(call)] = (latest, shared, len(ids))
         if shared >= MIN_SHARED["token_ids"]:
             call.prompt.token_ids = ids[shared:]
-    trajectory.latest, trajectory.latest_ids = call, ids
-    trajectory.latest_text = text if ids is not None else None
+    trajectory.latest = call
+    known = text is not None and ids is not None
+    trajectory.latest_ids = None if known else ids
+    trajectory.latest_text = text if known else None
+    trajectory.latest_count = len(ids) if known and ids is not None else 0
 
 
 def _text_extends(text: bytes, base: bytes | None) -> bool:
@@ -495,16 +510,18 @@ def _awaits_resume(trajectory: _Open) -> bool:
 
 
 def resumes(
-    previous: GenerateCall, call: GenerateCall, previous_ids: list[int] | None = None
+    previous: GenerateCall,
+    call: GenerateCall,
+    previous_ids: Callable[[], list[int] | None] | None = None,
 ) -> bool:
     """Is `call` the interrupted `previous` generate, re-sent with what it had generated so far
-    (AReaL after an abort)? `previous_ids`: its full prompt ids, when the record keeps only
-    their tail."""
+    (AReaL after an abort)? `previous_ids` gives its full prompt ids, when the record keeps
+    only their tail (asked only after an abort)."""
     first = previous.outputs[0] if previous.outputs else None
     if first is None or first.finish_reason != "abort":
         return False
     before, now = previous.prompt, call.prompt
-    before_ids = before.token_ids if previous_ids is None else previous_ids
+    before_ids = before.token_ids if previous_ids is None else previous_ids()
     if before_ids is not None and now.token_ids is not None:
         return now.token_ids == [*before_ids, *(first.token_ids or [])]
     if before.text is not None and now.text is not None:
