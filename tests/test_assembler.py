@@ -267,7 +267,7 @@ def arrivals(draw: st.DrawFn) -> list[GenerateCall]:
 
 
 # How a client may write its ids: the assembler compares the texts when it has them.
-id_texts = st.sampled_from([None, ",", ", ", " , "])
+id_texts = st.sampled_from([None, ",", ", ", " , ", ",\n  "])
 
 
 @settings(max_examples=400, deadline=None)
@@ -288,11 +288,13 @@ def test_prompt_ids_shared_as_calls_arrive_make_the_record_sharing_at_the_end_ma
     expected = sorted(copy.deepcopy(full), key=lambda c: c.start)
     prompt_tokens = sum(len(c.prompt.token_ids or ()) for c in expected)
     share_prefixes(expected)
-    assert [orjson.dumps(c.prompt) for c in built.calls] == [
-        orjson.dumps(c.prompt) for c in expected
+    line = dumps(built)
+    assert b"\n" not in line  # one record, one line of the store
+    stored = orjson.loads(line)
+    assert [c["prompt"] for c in stored["calls"]] == [
+        orjson.loads(orjson.dumps(c.prompt)) for c in expected
     ]
     assert built.summary["prompt_tokens"] == prompt_tokens
-    stored = orjson.loads(dumps(built))
     in_order = sorted(full, key=lambda c: c.start)
     assert [p["token_ids"] for p in expand_prompts(stored)] == [
         c.prompt.token_ids for c in in_order

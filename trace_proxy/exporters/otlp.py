@@ -70,6 +70,7 @@ from trace_proxy.trajectories.record import (
     ToolCall,
     Trajectory,
     dumps,
+    ids_count,
 )
 
 if TYPE_CHECKING:
@@ -480,7 +481,7 @@ def _decoded_prompts(t: Trajectory) -> list[str | None]:
     context: list[int | None] = []  # token count of prompt + first output, per call
     for position, call in enumerate(t.calls):
         prompt = call.prompt
-        ids = len(prompt.token_ids) if prompt.token_ids is not None else None
+        ids = ids_count(prompt.token_ids) if prompt.token_ids is not None else None
         shared = (prompt.prefix_len or {}).get("token_ids")
         ref = prompt.prefix_call
         first = call.outputs[0] if call.outputs else None

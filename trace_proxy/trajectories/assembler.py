@@ -27,11 +27,14 @@ from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
 from trace_proxy.trajectories.record import (
     GenerateCall,
+    IdsText,
     Record,
     RolloutKey,
     StepEvent,
     ToolCall,
     Trajectory,
+    ids_count,
+    ids_list,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
@@ -377,7 +380,7 @@ def _share_ids(
     an open trajectory then holds one full prompt, not one per turn (32k-id prompts take about
     1.2 MB each as Python ints). `build_trajectory` turns this into the record's prefix
     references, or undoes it when calls turned out to have started in another order."""
-    ids = call.prompt.token_ids
+    ids = ids_list(call.prompt.token_ids)  # a new call's: a list
     if latest is not None and call.start < latest.start:
         return  # an earlier start arriving late: left whole, sorted out at build
     if latest is not None and ids is not None:
@@ -394,10 +397,17 @@ def _share_ids(
         if shared >= MIN_SHARED["token_ids"]:
             call.prompt.token_ids = ids[shared:]
     trajectory.latest = call
-    known = text is not None and ids is not None
-    trajectory.latest_ids = None if known else ids
-    trajectory.latest_text = text if known else None
-    trajectory.latest_count = len(ids) if known and ids is not None else 0
+    if text is None or ids is None:
+        trajectory.latest_ids, trajectory.latest_text, trajectory.latest_count = ids, None, 0
+        return
+    trajectory.latest_ids, trajectory.latest_text, trajectory.latest_count = None, text, len(ids)
+    if call.prompt.token_ids is ids and not _has_line_break(text):
+        call.prompt.token_ids = IdsText(text, len(ids))  # kept whole (a first prompt): as text
+
+
+def _has_line_break(text: bytes) -> bool:
+    """A record is one line of the store: ids written over several lines stay ints."""
+    return b"\n" in text or b"\r" in text
 
 
 def _text_extends(text: bytes, base: bytes | None) -> bool:
@@ -423,13 +433,13 @@ def _check_arrival_order(calls: list[GenerateCall], extends: dict[int, IdsShared
         return
     full: dict[int, list[int] | None] = {}
     for call in calls:  # start order: what a call extends comes before it
-        ids = call.prompt.token_ids
+        ids = ids_list(call.prompt.token_ids)
         found = extends.get(id(call))
         if found is not None and ids is not None and found[1] >= MIN_SHARED["token_ids"]:
             base, shared, _ = found
             first = base.outputs[0].token_ids if base.outputs else None
             ids = [*(full[id(base)] or ()), *(first or ())][:shared] + ids
-            call.prompt.token_ids = ids
+        call.prompt.token_ids = ids  # lists again, for `share_prefixes` to compare
         full[id(call)] = ids
     extends.clear()
 
@@ -447,7 +457,7 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
     for call in calls:
         usage = call.usage or {}
         found = extends.get(id(call))
-        prompt_ids = found[2] if found is not None else len(call.prompt.token_ids or ())
+        prompt_ids = found[2] if found is not None else ids_count(call.prompt.token_ids)
         prompt_tokens += int(usage.get("prompt_tokens") or prompt_ids)
         completion_tokens += int(
             usage.get("completion_tokens") or sum(len(o.token_ids or ()) for o in call.outputs)
@@ -521,9 +531,10 @@ def resumes(
     if first is None or first.finish_reason != "abort":
         return False
     before, now = previous.prompt, call.prompt
-    before_ids = before.token_ids if previous_ids is None else previous_ids()
-    if before_ids is not None and now.token_ids is not None:
-        return now.token_ids == [*before_ids, *(first.token_ids or [])]
+    before_ids = ids_list(before.token_ids) if previous_ids is None else previous_ids()
+    now_ids = ids_list(now.token_ids)
+    if before_ids is not None and now_ids is not None:
+        return now_ids == [*before_ids, *(first.token_ids or [])]
     if before.text is not None and now.text is not None:
         return now.text == before.text + (first.text or "")
     return False

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.trajectories.record import GenerateCall, RolloutKey
+from trace_proxy.trajectories.record import GenerateCall, RolloutKey, ids_list
 
 BUCKET_ITEMS = 16  # a continuation shares its first prompt's first items
 
@@ -85,9 +85,8 @@ def _sequence(call: GenerateCall) -> Sequence[Any] | str | None:
     the generated token ids), else token ids, else text."""
     if call.prompt.messages is not None:
         return [_canonical_message(m) for m in call.prompt.messages]
-    if call.prompt.token_ids is not None:
-        return call.prompt.token_ids
-    return call.prompt.text
+    ids = ids_list(call.prompt.token_ids)
+    return ids if ids is not None else call.prompt.text
 
 
 def _with_response(call: GenerateCall, prompt: Sequence[Any] | str) -> Sequence[Any] | str:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trace_proxy.trajectories.record import GenerateCall, Prompt
+from trace_proxy.trajectories.record import GenerateCall, Prompt, ids_list
 
 # Fewer shared items than this are not worth a reference (a message is worth it on its own).
 MIN_SHARED = {"token_ids": 4, "text": 16, "messages": 1}
@@ -24,9 +24,10 @@ def shared_with_context(full: Prompt, call: GenerateCall, kind: str, value: Any)
     compared piece by piece: the context is not built (a 32k-id copy per call)."""
     first = call.outputs[0] if call.outputs else None
     if kind == "token_ids":
-        if full.token_ids is None:
+        ids = ids_list(full.token_ids)
+        if ids is None:
             return None
-        return extension(full.token_ids, first.token_ids if first else None, value)
+        return extension(ids, first.token_ids if first else None, value)
     if kind == "text":
         if full.text is None:
             return None
@@ -134,15 +135,16 @@ def full_token_ids(calls: list[GenerateCall]) -> list[list[int] | None]:
     for call in calls:
         prompt = call.prompt
         ref, lengths = prompt.prefix_call, prompt.prefix_len or {}
-        if prompt.token_ids is None:
+        ids = ids_list(prompt.token_ids)
+        if ids is None:
             full.append(None)
         elif ref is None or "token_ids" not in lengths or full[ref] is None:
-            full.append(list(prompt.token_ids))
+            full.append(list(ids))
         else:
             base = calls[ref]
             first = base.outputs[0].token_ids if base.outputs else None
             context = [*(full[ref] or []), *(first or [])]
-            full.append(context[: lengths["token_ids"]] + prompt.token_ids)
+            full.append(context[: lengths["token_ids"]] + ids)
     return full
 
 

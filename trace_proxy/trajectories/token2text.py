@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from trace_proxy.trajectories.prompts import full_token_ids, pieces_text
-from trace_proxy.trajectories.record import Record, Trajectory
+from trace_proxy.trajectories.record import Record, Trajectory, ids_list
 from trace_proxy.trajectories.toolparsers import ToolCallParser
 from trace_proxy.trajectories.tools import text_tool_spans
 
@@ -151,8 +151,9 @@ class Token2Text:
         for call, decode in zip(calls, decoders, strict=True):
             if decode is None:
                 continue
-            if call.prompt.token_ids is not None:
-                call.prompt_text = decode(call.prompt.token_ids)
+            prompt_ids = ids_list(call.prompt.token_ids)
+            if prompt_ids is not None:
+                call.prompt_text = decode(prompt_ids)
             for output in call.outputs:
                 if output.token_ids:
                     output.response_text = decode(output.token_ids)
