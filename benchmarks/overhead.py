@@ -46,6 +46,7 @@ from benchlib.procs import (
     start_nginx,
     start_trace_proxy,
     start_upstream,
+    stop_on_sigterm,
 )
 from benchlib.recording import accounted_calls, read_store, scrape, wait_drained
 from benchlib.report import DIRECT, Cell, Checks, aggregate, results_table
@@ -473,6 +474,7 @@ def preflight(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    stop_on_sigterm()
     command = shlex.join(["python", *(sys.argv if argv is None else ["overhead.py", *argv])])
     if os.environ.get("PYTHONPATH"):  # it decides which trace_proxy is measured
         command = f"PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} {command}"

@@ -42,6 +42,7 @@ from benchlib.procs import (  # noqa: E402
     peak_rss_kib,
     start_trace_proxy,
     start_upstream,
+    stop_on_sigterm,
 )
 from benchlib.recording import scrape, total, wait_drained  # noqa: E402
 from benchlib.workload import PATH, parse_mode  # noqa: E402
@@ -183,6 +184,7 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=6.0, help="seconds of load per run")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "RESULTS.md")
     args = parser.parse_args()
+    stop_on_sigterm()
     head = git("rev-parse", "--short", "HEAD") + ("+changes" if git("status", "--porcelain",
                                                                       "--", "../trace_proxy")
                                                   else "")  # fmt: skip

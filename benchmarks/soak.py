@@ -26,7 +26,13 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from benchlib.procs import Proc, child_env, start_trace_proxy, start_upstream  # noqa: E402
+from benchlib.procs import (  # noqa: E402
+    Proc,
+    child_env,
+    start_trace_proxy,
+    start_upstream,
+    stop_on_sigterm,
+)
 from benchlib.recording import scrape, total  # noqa: E402
 
 SECTION = "## Soak: memory under sustained load"
@@ -108,6 +114,7 @@ def main() -> int:
     parser.add_argument("--every", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "RESULTS.md")
     args = parser.parse_args()
+    stop_on_sigterm()
     work = Path(tempfile.mkdtemp(prefix="trace-proxy-soak-"))
     upstream, upstream_url = start_upstream(work, 4, 1)
     proxy, url, admin = start_trace_proxy(work, upstream_url)

@@ -27,6 +27,12 @@ class BenchError(RuntimeError):
     """A setup problem the user must fix; printed as one line."""
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM (`timeout`, a job runner) unwinds the run like Ctrl-C, so the processes it
+    started are stopped instead of left running against the next run's work directory."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
 @dataclass
 class Proc:
     name: str
