@@ -54,7 +54,7 @@ class _Open:
     outcomes: list[Outcome] = field(default_factory=list)  # rewards posted while open
     # Prompt ids are shared as calls arrive (see `_share_ids`): the call that started last (the
     # last added of those that started together) and its full prompt ids, as the JSON text they
-    # were decoded from when known (a fifth of the memory of the ints), else as a list; for
+    # were decoded from when known (about a sixth of the memory of ints), else as a list; for
     # each later call, by id(): (the call it extends, ids shared, its full length).
     latest: GenerateCall | None = None
     latest_ids: list[int] | None = None
