@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import orjson
-
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
 from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.trajectories.gate import SamplingGate
@@ -64,8 +62,7 @@ class _Open:
 
     def full_latest_ids(self) -> list[int] | None:
         if self.latest_text is not None:
-            ids: list[int] = orjson.loads(b"[" + self.latest_text + b"]")
-            return ids
+            return IdsText(self.latest_text, self.latest_count).decode()
         return self.latest_ids
 
 
