@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from trace_proxy.capture.dialects.common import decode_request
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
@@ -22,7 +23,15 @@ from trace_proxy.trajectories.prompts import (
     extension,
     share_prefixes,
 )
-from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory, dumps
+from trace_proxy.trajectories.record import (
+    GenerateCall,
+    Output,
+    Prompt,
+    Record,
+    Trajectory,
+    dumps,
+    ids_list,
+)
 from trace_proxy.trajectories.rewards import Outcome
 
 
@@ -271,17 +280,28 @@ id_texts = st.sampled_from([None, ",", ", ", " , ", ",\n  "])
 
 
 @settings(max_examples=400, deadline=None)
-@given(arrivals(), st.lists(id_texts, min_size=7, max_size=7))
+@given(
+    arrivals(),
+    st.lists(id_texts, min_size=7, max_size=7) | id_texts.map(lambda text: [text] * 7),
+)
 def test_prompt_ids_shared_as_calls_arrive_make_the_record_sharing_at_the_end_makes(
     sent: list[GenerateCall], separators: list[str | None]
 ) -> None:
     full = [copy.deepcopy(c) for c in sent]
     assembler, out = make()
+    key = hints(step=1, sample_index=0, rollout_n=0)
     for made, separator in zip(sent, separators, strict=False):
         ids = made.prompt.token_ids
-        text = None if separator is None or ids is None else separator.join(map(str, ids))
-        encoded = None if text is None else text.encode()
-        assembler.add_call(hints(step=1, sample_index=0, rollout_n=0), made, ids_text=encoded)
+        encoded = None
+        if separator is not None and ids is not None:
+            # As the stage does: a prompt continuing the latest one is left as text.
+            body = b'{"token_ids":[' + separator.join(map(str, ids)).encode() + b"]}"
+            request, encoded = decode_request(
+                body, "token_ids", lambda _: assembler.latest_prompt(key)
+            )
+            assert ids_list(request["token_ids"]) == ids
+            made.prompt.token_ids = request["token_ids"]
+        assembler.add_call(key, made, ids_text=encoded)
     assembler.close_all()
     [built] = out
     assert isinstance(built, Trajectory)

@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -16,6 +17,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from trace_proxy.capture.dialects import openai_completions, vllm_generate
 from trace_proxy.capture.dialects.common import decode_request, without_prompt_echo
 from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.record import IdsText, has_line_break
 
 ECHO = "prompt_token_ids"
 ids = st.lists(st.integers(min_value=-(2**40), max_value=2**40), max_size=20)
@@ -177,3 +179,38 @@ def test_a_request_decoded_in_two_parts_is_the_request_and_its_ids_text_their_te
         assert text == text.strip()
     if plain_ids(request["prompt"]) and "prompt" not in request.get("metadata", {}):
         assert text is not None  # the usual request: the text is found
+
+
+# What may follow the ids of the latest prompt in the next request's text: more ids, and what
+# would make the whole list not JSON or not ids (the tail is all that gets decoded).
+PIECES = [b",", b", ", b" ,", b",\n", b"\n", b"7", b"12", b"0", b"-3", b"1.5", b"1e3", b"true"]
+PIECES += [b'"a"', b"[1]", b"[", b"null", b"123456789012345678901234567890", b"01", b" "]
+tails = st.lists(st.sampled_from(PIECES), max_size=8).map(b"".join)
+
+
+@settings(max_examples=600, deadline=None)
+@given(id_lists.filter(bool), tails, separators)
+def test_a_prompt_continuing_the_latest_decodes_as_the_whole_request_does(
+    base: list[int], tail: bytes, separator: tuple[str, str]
+) -> None:
+    """Only the ids after the latest prompt's are decoded; the result (or the error) must be
+    what decoding the whole body gives."""
+    first = json.dumps({"prompt": base}, separators=separator).encode()
+    _, base_text = decode_request(first, "prompt")
+    assert base_text is not None
+    body = b'{"max_tokens":4,"prompt":[' + base_text + tail + b'],"n":1}'
+    try:
+        expected = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        with pytest.raises(orjson.JSONDecodeError):
+            decode_request(body, "prompt", lambda _: (base_text, len(base)))
+        return
+    decoded, text = decode_request(body, "prompt", lambda _: (base_text, len(base)))
+    prompt = decoded["prompt"]
+    if isinstance(prompt, IdsText):
+        assert all(isinstance(v, int) for v in expected["prompt"])
+        assert prompt.text == text
+        assert prompt.count == len(expected["prompt"])
+        assert not has_line_break(prompt.text)  # a record stays one line
+        decoded["prompt"] = prompt.decode()
+    assert decoded == expected

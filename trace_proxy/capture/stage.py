@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from typing import Any
 
 import orjson
@@ -180,7 +181,9 @@ class CaptureStage:
         ids_text: bytes | None = None
         try:
             ids_field = PROMPT_IDS.get(exchange.path)
-            request, ids_text = decode_request(exchange.request_body, ids_field)
+            request, ids_text = decode_request(
+                exchange.request_body, ids_field, partial(self._latest_prompt, exchange)
+            )
             if not isinstance(request, dict):
                 raise ParseError("request body is not a JSON object")
             parsed = parser(exchange, request)
@@ -202,6 +205,12 @@ class CaptureStage:
             text = ids_text if ids is not None and item.call.prompt.token_ids is ids else None
             self._assembler.add_call(hints, item.call, admitted=exchange.admitted, ids_text=text)
         self._metrics.open_trajectories.set(self._assembler.open_count)
+
+    def _latest_prompt(
+        self, exchange: Exchange, request: dict[str, Any]
+    ) -> tuple[bytes, int] | None:
+        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, request)
+        return self._assembler.latest_prompt(hints)
 
     def _tool_call(self, exchange: Exchange) -> None:
         tool = ToolCall(

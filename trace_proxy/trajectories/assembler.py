@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
+import orjson
+
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
 from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.trajectories.gate import SamplingGate
@@ -29,10 +31,13 @@ from trace_proxy.trajectories.record import (
     Record,
     RolloutKey,
     StepEvent,
+    TokenIds,
     ToolCall,
     Trajectory,
+    has_line_break,
     ids_count,
     ids_list,
+    ids_text_tail,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
@@ -180,6 +185,15 @@ class Assembler:
         elif hints.values.get("done") is True:
             del self._open[self._identity(trajectory.key)]
             self._close(trajectory, "done")
+
+    def latest_prompt(self, hints: KeyHints) -> tuple[bytes, int] | None:
+        """The JSON text of the latest prompt ids the open trajectory `hints` names holds,
+        already known to be ids, and how many (see `decode_request`)."""
+        identity = self._identity(self._key(hints))
+        trajectory = self._open.get(identity) if identity is not None else None
+        if trajectory is None or trajectory.latest_text is None:
+            return None
+        return trajectory.latest_text, trajectory.latest_count
 
     def add_tool(self, hints: KeyHints, tool: ToolCall) -> None:
         """A tool call seen directly (an HTTP tool server routed through the proxy)."""
@@ -377,43 +391,50 @@ def _share_ids(
     an open trajectory then holds one full prompt, not one per turn (32k-id prompts take about
     1.2 MB each as Python ints). `build_trajectory` turns this into the record's prefix
     references, or undoes it when calls turned out to have started in another order."""
-    ids = ids_list(call.prompt.token_ids)  # a new call's: a list
+    prompt = call.prompt.token_ids  # a new call's: a list, or text whose ids were checked
     if latest is not None and call.start < latest.start:
         return  # an earlier start arriving late: left whole, sorted out at build
-    if latest is not None and ids is not None:
+    if latest is not None and prompt is not None:
         first = latest.outputs[0] if latest.outputs else None
         output = first.token_ids if first else None
         count = trajectory.latest_count
-        if count and text is not None and _text_extends(text, trajectory.latest_text):
+        tail = _tail(prompt, text, trajectory.latest_text, count)
+        if tail is not None:
             # The same JSON text, then a comma: the same ids, without comparing them one by one.
-            shared = count + extension((), output, ids[count:])
+            shared = count + extension((), output, tail)
+            rest = tail[shared - count :]
         else:
+            ids = ids_list(prompt) or []
             base = trajectory.full_latest_ids()
             shared = extension(base, output, ids) if base else 0
-        trajectory.extends[id(call)] = (latest, shared, len(ids))
+            rest = ids[shared:]
+        trajectory.extends[id(call)] = (latest, shared, ids_count(prompt))
         if shared >= MIN_SHARED["token_ids"]:
-            call.prompt.token_ids = ids[shared:]
+            call.prompt.token_ids = rest
     trajectory.latest = call
-    if text is None or ids is None:
-        trajectory.latest_ids, trajectory.latest_text, trajectory.latest_count = ids, None, 0
+    if text is None or prompt is None:
+        trajectory.latest_ids, trajectory.latest_text, trajectory.latest_count = (
+            ids_list(prompt), None, 0
+        )  # fmt: skip
         return
-    trajectory.latest_ids, trajectory.latest_text, trajectory.latest_count = None, text, len(ids)
-    if call.prompt.token_ids is ids and not _has_line_break(text):
-        call.prompt.token_ids = IdsText(text, len(ids))  # kept whole (a first prompt): as text
+    trajectory.latest_ids, trajectory.latest_text = None, text
+    trajectory.latest_count = ids_count(prompt)
+    if call.prompt.token_ids is prompt and isinstance(prompt, list) and not has_line_break(text):
+        call.prompt.token_ids = IdsText(text, len(prompt))  # kept whole (a first prompt): as text
 
 
-def _has_line_break(text: bytes) -> bool:
-    """A record is one line of the store: ids written over several lines stay ints."""
-    return b"\n" in text or b"\r" in text
-
-
-def _text_extends(text: bytes, base: bytes | None) -> bool:
-    """Is `text` (a list's JSON text) `base` followed by more items?"""
-    return (
-        base is not None
-        and text.startswith(base)
-        and text[len(base) : len(base) + 8].lstrip()[:1] == b","
-    )
+def _tail(prompt: TokenIds, text: bytes | None, base: bytes | None, count: int) -> list[int] | None:
+    """The ids after the latest prompt's `count` when `text` is that prompt's text (`base`)
+    followed by more ids; else None."""
+    if not count or text is None or base is None:
+        return None
+    after = ids_text_tail(text, base)
+    if after is None:
+        return None
+    if isinstance(prompt, IdsText):
+        more: list[int] = orjson.loads(b"[" + after + b"]")
+        return more
+    return prompt[count:]
 
 
 def _check_arrival_order(calls: list[GenerateCall], extends: dict[int, IdsShared]) -> None:

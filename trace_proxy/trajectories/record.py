@@ -49,6 +49,23 @@ class IdsText:
 TokenIds = list[int] | IdsText
 
 
+def ids_text_tail(text: bytes, base: bytes) -> bytes | None:
+    """When `text` is `base` followed by more items (both the JSON text of a list of ids,
+    between its brackets): what follows `base`'s comma. Else None."""
+    if not text.startswith(base):
+        return None
+    after = len(base)
+    while text[after : after + 1] in (b" ", b"\t", b"\r", b"\n"):
+        after += 1
+    return text[after + 1 :] if text[after : after + 1] == b"," else None
+
+
+def has_line_break(text: bytes) -> bool:
+    """A record is one line of the store: ids written over several lines are not kept as
+    text."""
+    return b"\n" in text or b"\r" in text
+
+
 def ids_list(ids: TokenIds | None) -> list[int] | None:
     return ids.decode() if isinstance(ids, IdsText) else ids
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +11,15 @@ import orjson
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.redact import recorded_headers
 from trace_proxy.capture.sse import iter_data
-from trace_proxy.trajectories.record import CallError, GenerateCall, Output
+from trace_proxy.trajectories.record import (
+    CallError,
+    GenerateCall,
+    IdsText,
+    Output,
+    TokenIds,
+    has_line_break,
+    ids_text_tail,
+)
 
 # Request fields that are content or transport, not sampling parameters.
 NON_SAMPLING_FIELDS = frozenset(
@@ -110,7 +118,12 @@ def _list_after(body: bytes, position: int) -> tuple[int, int] | None:
     return position, end
 
 
-def decode_request(body: bytes, ids_field: str | None) -> tuple[Any, bytes | None]:
+LatestPrompt = Callable[[dict[str, Any]], tuple[bytes, int] | None]
+
+
+def decode_request(
+    body: bytes, ids_field: str | None, latest: LatestPrompt | None = None
+) -> tuple[Any, bytes | None]:
     """The request as `orjson.loads` gives it, and the JSON text of its top-level `ids_field`
     list (between the brackets, trimmed) when that is where the list of ids is.
 
@@ -120,6 +133,11 @@ def decode_request(body: bytes, ids_field: str | None) -> tuple[Any, bytes | Non
     decoded in one piece, with no text. The first `]` after the field's `[` ends the list
     exactly when the text up to it decodes as a list: an earlier `]` leaves a string or an
     inner list open.
+
+    `latest`, given the rest of the request, names the text of a list already known to be
+    ids (the latest prompt of the trajectory it belongs to) and how many. When this list is
+    that one followed by more ids, only those are decoded, and the list stays text
+    (`IdsText`): a multi-turn prompt's earlier turns are not decoded again on every turn.
     """
     if ids_field is None:
         return orjson.loads(body), None
@@ -134,18 +152,45 @@ def decode_request(body: bytes, ids_field: str | None) -> tuple[Any, bytes | Non
     rest = body[:start] + b"null" + body[end + 1 :]
     try:
         request = orjson.loads(rest)
-        ids = orjson.loads(memoryview(body)[start : end + 1])
     except orjson.JSONDecodeError:
         return orjson.loads(body), None
     if (
         not isinstance(request, dict)
         or request.get(ids_field, 0) is not None  # the cut list was not the top-level field
         or rest.find(key, found + 1) >= 0  # the field again, nested or repeated
-        or not isinstance(ids, list)
     ):
         return orjson.loads(body), None
+    text = body[start + 1 : end].strip()
+    ids: list[Any] | IdsText | None = None
+    if latest is not None:
+        ids = _continued_ids(text, latest(request))
+    if ids is None:
+        try:
+            ids = orjson.loads(memoryview(body)[start : end + 1])
+        except orjson.JSONDecodeError:
+            return orjson.loads(body), None
+        if not isinstance(ids, list):
+            return orjson.loads(body), None
     request[ids_field] = ids
-    return request, body[start + 1 : end].strip()
+    return request, text
+
+
+def _continued_ids(text: bytes, known: tuple[bytes, int] | None) -> IdsText | None:
+    """`text` as ids when it is `known`'s text followed by a comma and more ids (only those
+    decoded): then the whole list decodes to ints too. Else None."""
+    if known is None or has_line_break(text):
+        return None
+    base, count = known
+    tail = ids_text_tail(text, base)
+    if tail is None:
+        return None
+    try:
+        more = orjson.loads(b"[" + tail + b"]")
+    except orjson.JSONDecodeError:
+        return None
+    if not more or as_int_list(more) is None:
+        return None  # `[known,]` is not JSON; `[known, 1.5]` not ids
+    return IdsText(text, count + len(more))
 
 
 ECHO_KEY = b'"prompt_token_ids":'
@@ -281,6 +326,11 @@ def as_int_list(value: Any) -> list[int] | None:
         return value if type(sum(value)) is int else None
     except TypeError:
         return None
+
+
+def as_prompt_ids(value: Any) -> TokenIds | None:
+    """A request's prompt ids: as `as_int_list`, and a list `decode_request` kept as text."""
+    return value if isinstance(value, IdsText) else as_int_list(value)
 
 
 class ChoiceStream:

@@ -14,6 +14,7 @@ from trace_proxy.capture.dialects.common import (
     ParsedCall,
     ParseError,
     as_int_list,
+    as_prompt_ids,
     chosen_logprobs,
     fill_response,
     ids_from_logprob_tokens,
@@ -34,7 +35,7 @@ def _prompts(request: Mapping[str, Any]) -> list[Prompt]:
     prompt = request.get("prompt")
     if isinstance(prompt, str):
         return [Prompt(text=prompt)]
-    ids = as_int_list(prompt)
+    ids = as_prompt_ids(prompt)
     if ids is not None and prompt:
         return [Prompt(token_ids=ids)]
     if isinstance(prompt, list) and prompt:

@@ -15,6 +15,7 @@ from trace_proxy.capture.dialects.common import (
     ParsedCall,
     ParseError,
     as_int_list,
+    as_prompt_ids,
     fill_response,
     new_call,
     stream_error,
@@ -31,7 +32,7 @@ PROMPT_IDS = "input_ids"  # the request field that may hold the prompt's token i
 def _prompts(request: Mapping[str, Any]) -> list[Prompt]:
     ids = request.get("input_ids")
     if ids is not None:
-        if (single := as_int_list(ids)) is not None and ids:
+        if (single := as_prompt_ids(ids)) is not None and ids:
             return [Prompt(token_ids=single)]
         if isinstance(ids, list) and ids and all(as_int_list(i) is not None for i in ids):
             return [Prompt(token_ids=i) for i in ids]

@@ -14,6 +14,7 @@ from trace_proxy.capture.dialects.common import (
     ParsedCall,
     ParseError,
     as_int_list,
+    as_prompt_ids,
     chosen_logprobs,
     fill_response,
     new_call,
@@ -30,7 +31,7 @@ PROMPT_IDS = "token_ids"  # the request field that may hold the prompt's token i
 
 
 def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
-    token_ids = as_int_list(request.get("token_ids"))
+    token_ids = as_prompt_ids(request.get("token_ids"))
     if token_ids is None:
         raise ParseError("request has no 'token_ids' list")
     call = new_call(ex, NAME, request)
