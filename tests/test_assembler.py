@@ -209,15 +209,20 @@ def test_a_later_call_without_tools_does_not_inherit_them() -> None:
     assert [p["tools"] for p in expand_prompts(stored)] == [tools, []]
 
 
+def inline_stage(assembler: Assembler, metrics: Metrics) -> CaptureStage:
+    """A capture stage with a budget of 1000 body bytes."""
+    return CaptureStage(
+        MetadataResolver([]), assembler, metrics, project="p", experiment="e",
+        queue_size=100, idle_check_interval=60, queue_bytes=1000,
+    )  # fmt: skip
+
+
 async def test_capture_queue_bounds_the_body_bytes_it_holds() -> None:
     """Long prompts make each waiting exchange large: past the byte budget new exchanges are
     counted as dropped (never an unbounded queue), and the budget frees as they are parsed."""
     metrics = Metrics()
     assembler, _ = make()
-    stage = CaptureStage(
-        MetadataResolver([]), assembler, metrics, project="p", experiment="e",
-        queue_size=100, idle_check_interval=60, queue_bytes=1000,
-    )  # fmt: skip
+    stage = inline_stage(assembler, metrics)
 
     def exchange(body: int) -> Exchange:
         return Exchange(
@@ -235,6 +240,53 @@ async def test_capture_queue_bounds_the_body_bytes_it_holds() -> None:
     stage.submit(exchange(800))  # everything parsed: the budget is free again
     await stage.stop()
     assert dropped._value.get() == 1
+
+
+def test_a_dropped_call_counts_in_its_trajectory_and_its_done_flag_closes_it() -> None:
+    assembler, out = make()
+    first = hints(step=1, sample_index=0, rollout_n=0)
+    assembler.add_dropped(first, "capture_queue_bytes")  # before any call: opens it
+    assembler.add_call(first, call(1, [1, 2], [3]))
+    assembler.add_dropped(hints(step=1, sample_index=0, rollout_n=0, done="true"), "x")
+    only_dropped = hints(step=1, sample_index=1, rollout_n=0)
+    assembler.add_dropped(only_dropped, "capture_queue_bytes")
+    assembler.add_dropped(hints(), "capture_queue_bytes")  # no key: nothing to count it in
+    assert assembler.open_count == 1
+    assembler.close_all()
+    [built] = out  # a trajectory of dropped calls alone has nothing to show
+    assert isinstance(built, Trajectory)
+    assert (built.close_reason, built.key.sample_index) == ("done", 0)
+    assert (built.summary["calls"], built.summary["calls_dropped"]) == (1, 2)
+
+
+async def test_an_exchange_past_the_byte_budget_leaves_a_mark_in_its_trajectory() -> None:
+    """Inline capture: the dropped exchange's head still reaches its trajectory."""
+    metrics = Metrics()
+    assembler, out = make()
+    stage = inline_stage(assembler, metrics)
+    request = orjson.dumps({"prompt": [1, 2, 3], "max_tokens": 1})
+    response = orjson.dumps({"choices": [{"index": 0, "text": "a", "finish_reason": "stop"}]})
+
+    def turn(done: bool, padding: int) -> Exchange:
+        headers = {"X-Rollout-Step": "1", "X-Rollout-Sample-Index": "0", "X-Rollout-N": "0"}
+        if done:
+            headers["X-Rollout-Done"] = "1"
+        return Exchange(
+            method="POST", path="/v1/completions", query="",
+            request_headers=CIMultiDictProxy(CIMultiDict(headers)), path_metadata=[],
+            upstream="u", start=0.0, status=200, request_body=request + b" " * padding,
+            response_chunks=[response],
+        )  # fmt: skip
+
+    stage.submit(turn(False, 600))
+    stage.submit(turn(True, 600))  # past the budget: dropped, its done flag kept
+    assert metrics.capture_dropped.labels("capture_queue_bytes")._value.get() == 1
+    stage.start()
+    await stage.drain()
+    await stage.stop()
+    trajectories = [r for r in out if isinstance(r, Trajectory)]
+    assert [(t.close_reason, t.summary["calls"], t.summary["calls_dropped"])
+            for t in trajectories] == [("done", 1, 1)]  # fmt: skip
 
 
 small_ids = st.lists(st.integers(0, 3), max_size=12)

@@ -239,6 +239,46 @@ async def test_a_stalled_capture_process_never_holds_up_forwarding(
     assert len(set(recorded)) == len(recorded)
 
 
+async def test_a_call_dropped_for_lack_of_room_still_counts_in_its_trajectory(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    """What a stalled capture process cannot hold is dropped, but its trajectory says how many
+    calls it lacks, and a dropped `done` call still closes it (instead of it waiting, with its
+    prompts, for the next step)."""
+    _, upstream = fake_vllm
+    samples = 30
+
+    async def rest_of_rollout(sample: int) -> None:
+        await chat(session, proxy, 1, sample, done=False)
+        await chat(session, proxy, 1, sample, done=True)
+
+    async with (
+        running_proxy([upstream], tmp_path, capture_queue_bytes=64 << 10) as (service, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        capture = service.recorder
+        assert isinstance(capture, CaptureProcess) and capture.pid is not None
+        for sample in range(samples):
+            await chat(session, proxy, 1, sample, done=False)
+        await asyncio.wait_for(service.flush(), GUARD)
+        os.kill(capture.pid, signal.SIGSTOP)
+        try:
+            await asyncio.wait_for(
+                asyncio.gather(*(rest_of_rollout(sample) for sample in range(samples))), GUARD
+            )
+        finally:
+            os.kill(capture.pid, signal.SIGCONT)
+        await asyncio.wait_for(service.flush(), GUARD)
+        dropped = metric(service.metrics, "trace_proxy_capture_dropped_total",
+                         reason="capture_queue_bytes")  # fmt: skip
+    stored = list(trajectories(tmp_path))
+    assert dropped > 0, "the budget of 64 KiB should not hold 60 exchanges"
+    assert sorted(t["key"]["sample_index"] for t in stored) == list(range(samples))
+    assert {t["close_reason"] for t in stored} == {"done"}
+    assert all(t["summary"]["calls"] + t["summary"]["calls_dropped"] == 3 for t in stored)
+    assert sum(t["summary"]["calls_dropped"] for t in stored) == dropped
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as handle:
         return [int(child) for child in handle.read().split()]

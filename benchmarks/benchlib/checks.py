@@ -54,7 +54,8 @@ def check_bodies(cells: list[Cell], checks: Checks) -> None:
 
 
 def check_store(store: StoreReport, cells: list[Cell], checks: Checks) -> None:
-    """The jsonl store holds one call per request sent through trace-proxy, grouped as sent."""
+    """The jsonl store holds one call per request sent through trace-proxy, grouped as sent:
+    recorded, or counted in its trajectory as dropped (capture fell behind)."""
     mine = [c for c in cells if c.system == TRACE_PROXY]
     sent = sum(c.load["sent"] for c in mine)
     started = sum(c.load["trajectories"] for c in mine)
@@ -66,9 +67,12 @@ def check_store(store: StoreReport, cells: list[Cell], checks: Checks) -> None:
     ]
     checks.add(
         "store counts",
-        store.calls == sent and store.trajectories == started and not steps_off,
-        f"expected {sent} calls in {started} trajectories, found {store.calls} calls in "
-        f"{store.trajectories} trajectories ({store.files} files); steps whose counts differ: "
+        store.calls + store.calls_dropped == sent
+        and store.trajectories == started
+        and not steps_off,
+        f"expected {sent} calls in {started} trajectories, found {store.calls} calls recorded and "
+        f"{store.calls_dropped} counted as dropped in {store.trajectories} trajectories "
+        f"({store.files} files); steps whose counts differ: "
         f"{steps_off or 'none'}; close reasons {dict(store.close_reasons)}",
     )
     checks.add(

@@ -81,6 +81,7 @@ class StoreReport:
     files: int = 0
     trajectories: int = 0
     calls: int = 0
+    calls_dropped: int = 0  # counted in their trajectories' summaries, not recorded
     calls_by_step: Counter[int] = field(default_factory=Counter)
     trajectories_by_step: Counter[int] = field(default_factory=Counter)
     close_reasons: Counter[str] = field(default_factory=Counter)
@@ -135,8 +136,10 @@ def _check_trajectory(
     calls = record["calls"]
     report.trajectories += 1
     report.trajectories_by_step[step] += 1
+    dropped = record["summary"].get("calls_dropped", 0)
     report.calls += len(calls)
-    report.calls_by_step[step] += len(calls)
+    report.calls_dropped += dropped
+    report.calls_by_step[step] += len(calls) + dropped
     report.close_reasons[record["close_reason"]] += 1
     report.later_parts += record["part"] > 1
     full = expand_prompts(record)

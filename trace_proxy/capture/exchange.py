@@ -6,7 +6,7 @@ nothing in here is parsed until the capture stage picks it up, off the forwardin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from multidict import CIMultiDictProxy, MultiMapping
 
@@ -30,6 +30,9 @@ class Exchange:
     tool_route: str | None = None  # the --tool-route prefix, for tool-server calls
     admitted: bool = False  # the sampler let it in on the hot path (headers named the sample)
     size: int = 0  # body bytes held, counted against the capture queue's byte budget
+    # Why the bodies were not kept (capture fell behind): the call still counts in its
+    # trajectory (`summary.calls_dropped`) and its done flag still closes it.
+    dropped: str | None = None
 
     @property
     def response_body(self) -> bytes:
@@ -41,3 +44,13 @@ class Exchange:
             return False
         ctype = self.response_headers.get("Content-Type", "")
         return ctype.startswith("text/event-stream")
+
+
+# What the marks of dropped exchanges may add to a full capture queue, in bytes: a mark is
+# the exchange's head alone (a few hundred bytes), so this holds thousands of them.
+MARKS_BYTES = 1 << 20
+
+
+def dropped_mark(exchange: Exchange, reason: str) -> Exchange:
+    """The exchange without its bodies, saying why they were not kept."""
+    return replace(exchange, request_body=b"", response_chunks=[], size=0, dropped=reason)

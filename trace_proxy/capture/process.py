@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 from prometheus_client import generate_latest
 
-from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.exchange import MARKS_BYTES, Exchange, dropped_mark
 from trace_proxy.capture.recorder import Recorder
 from trace_proxy.capture.wire import FrameReader, encode_control, encode_exchange
 from trace_proxy.child import Helper, receive_payload, run_child
@@ -90,6 +90,8 @@ class CaptureProcess(Helper):
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
         if buffered and buffered + size > self._max_buffered:
             self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
+            if buffered < self._max_buffered + MARKS_BYTES:
+                transport.writelines(encode_exchange(dropped_mark(exchange, "capture_queue_bytes")))
             return
         transport.writelines(encode_exchange(exchange))
         self._sent += 1
@@ -204,6 +206,9 @@ class _Child:
                     log.error("the capture process stops reading: %s", exc)
                 return recorder.settings.shutdown_grace
             if isinstance(frame, Exchange):
+                if frame.dropped is not None:  # counted where it was dropped
+                    await recorder.capture.put(frame)
+                    continue
                 self.received += 1
                 if recorder.admit(frame):
                     await recorder.capture.put(frame)

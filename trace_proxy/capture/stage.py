@@ -18,7 +18,7 @@ import orjson
 from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
 from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
-from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.exchange import Exchange, dropped_mark
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.metrics import Metrics
@@ -74,6 +74,8 @@ class CaptureStage:
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
         if self._queued_bytes + size > self._max_bytes and not self._queue.empty():
             self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
+            if not self._queue.full():  # a mark holds no body: the count bounds them
+                self._queue.put_nowait(dropped_mark(exchange, "capture_queue_bytes"))
             return
         try:
             self._queue.put_nowait(exchange)
@@ -161,6 +163,13 @@ class CaptureStage:
 
     def process(self, exchange: Exchange) -> None:
         kind = classify(exchange.method, exchange.path)
+        if exchange.dropped is not None:
+            if kind is RouteKind.GENERATE or exchange.tool_route is not None:
+                hints = self._resolver.resolve(
+                    exchange.request_headers, exchange.path_metadata, None
+                )
+                self._assembler.add_dropped(hints, exchange.dropped)
+            return
         if kind is RouteKind.CONTROL:
             hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
             event = parse_event(

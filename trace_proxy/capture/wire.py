@@ -42,6 +42,7 @@ def encode_exchange(exchange: Exchange) -> list[bytes]:
             exchange.error,
             exchange.tool_route,
             exchange.admitted,
+            exchange.dropped,
         )
     )
     chunks = exchange.response_chunks
@@ -53,7 +54,7 @@ def encode_exchange(exchange: Exchange) -> list[bytes]:
 def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
     (
         method, path, query, request_headers, path_metadata, upstream, start, status,
-        response_headers, first_byte, end, error, tool_route, admitted,
+        response_headers, first_byte, end, error, tool_route, admitted, dropped,
     ) = orjson.loads(meta)  # fmt: skip
     return Exchange(
         method=method,
@@ -72,6 +73,7 @@ def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
         error=error,
         tool_route=tool_route,
         admitted=admitted,
+        dropped=dropped,
     )
 
 

@@ -55,6 +55,7 @@ class _Open:
     tools: list[ToolCall] = field(default_factory=list)  # seen directly (HTTP tool servers)
     annotations: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # rewards posted while open
+    dropped: int = 0  # calls forwarded whose bodies capture could not keep
     # Prompt ids are shared as calls arrive (see `_share_ids`): the call that started last (the
     # last added of those that started together) and its full prompt ids, as the JSON text they
     # were decoded from when known (about a sixth of the memory of ints), else as a list; for
@@ -194,6 +195,21 @@ class Assembler:
         if trajectory is None or trajectory.latest_text is None:
             return None
         return trajectory.latest_text, trajectory.latest_count
+
+    def add_dropped(self, hints: KeyHints, reason: str) -> None:
+        """A call forwarded but not recorded (`reason`: why capture dropped its bodies): its
+        trajectory says a call is missing (`summary.calls_dropped`), and its done flag still
+        closes it, so it does not wait for the next step holding its prompts."""
+        key = self._key(hints)
+        identity = self._identity(key)
+        if identity is None:
+            return  # no key: its own trajectory would hold nothing
+        trajectory = self._attach(key, hints)
+        assert trajectory is not None
+        trajectory.dropped += 1
+        if hints.values.get("done") is True:
+            del self._open[identity]
+            self._close(trajectory, "done")
 
     def add_tool(self, hints: KeyHints, tool: ToolCall) -> None:
         """A tool call seen directly (an HTTP tool server routed through the proxy)."""
@@ -375,6 +391,13 @@ class Assembler:
 
     def _finish(self, trajectory: _Open, reason: str) -> None:
         self._closing.pop(trajectory.id, None)
+        if not trajectory.calls and not trajectory.tools:
+            # Only dropped calls: no record (the drops are counted); a reward still is one.
+            key = trajectory.key
+            if self._gate is not None:
+                for outcome in trajectory.outcomes:
+                    self._gate.annotate(outcome, key.project, key.experiment)
+            return
         built = build_trajectory(trajectory, reason)
         if self._gate is not None:
             self._gate.release(built)
@@ -514,6 +537,7 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
             "tool_calls": len(tools),
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
+            "calls_dropped": open_.dropped,
         },
     )
 
