@@ -245,12 +245,12 @@ async def test_capture_queue_bounds_the_body_bytes_it_holds() -> None:
 def test_a_dropped_call_counts_in_its_trajectory_and_its_done_flag_closes_it() -> None:
     assembler, out = make()
     first = hints(step=1, sample_index=0, rollout_n=0)
-    assembler.add_dropped(first, "capture_queue_bytes")  # before any call: opens it
+    assembler.add_dropped(first)  # before any call: opens it
     assembler.add_call(first, call(1, [1, 2], [3]))
-    assembler.add_dropped(hints(step=1, sample_index=0, rollout_n=0, done="true"), "x")
+    assembler.add_dropped(hints(step=1, sample_index=0, rollout_n=0, done="true"))
     only_dropped = hints(step=1, sample_index=1, rollout_n=0)
-    assembler.add_dropped(only_dropped, "capture_queue_bytes")
-    assembler.add_dropped(hints(), "capture_queue_bytes")  # no key: nothing to count it in
+    assembler.add_dropped(only_dropped)
+    assembler.add_dropped(hints())  # no key: nothing to count it in
     assert assembler.open_count == 1
     assembler.close_all()
     [built] = out  # a trajectory of dropped calls alone has nothing to show

@@ -9,6 +9,7 @@ is replaced, its loss counted; a proxy that is killed still has its captured cal
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 import sys
@@ -27,6 +28,7 @@ from test_lifecycle import start_serve
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.process import CaptureProcess
 from trace_proxy.capture.wire import HEAD, FrameReader, encode_control, encode_exchange
+from trace_proxy.show import show
 
 GUARD = 60
 
@@ -277,6 +279,10 @@ async def test_a_call_dropped_for_lack_of_room_still_counts_in_its_trajectory(
     assert {t["close_reason"] for t in stored} == {"done"}
     assert all(t["summary"]["calls"] + t["summary"]["calls_dropped"] == 3 for t in stored)
     assert sum(t["summary"]["calls_dropped"] for t in stored) == dropped
+    shown = io.StringIO()
+    assert show(tmp_path, out=shown) == 0
+    gaps = shown.getvalue().count("more calls not recorded (capture fell behind)")
+    assert gaps == sum(1 for t in stored if t["summary"]["calls_dropped"])
 
 
 def _children(pid: int) -> list[int]:

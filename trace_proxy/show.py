@@ -164,6 +164,8 @@ def _trajectory_header(t: dict[str, Any]) -> str:
     outcome = _outcome(t)
     if outcome:
         part += f"; {outcome}"
+    if summary.get("calls_dropped"):
+        part += f"; {summary['calls_dropped']} more calls not recorded (capture fell behind)"
     return (
         f"== {' · '.join(parts)}  [{t.get('status')}, closed: {t.get('close_reason')}{part}]  "
         f"{summary.get('calls', 0)} calls, {summary.get('prompt_tokens', 0)}+"

@@ -196,10 +196,11 @@ class Assembler:
             return None
         return trajectory.latest_text, trajectory.latest_count
 
-    def add_dropped(self, hints: KeyHints, reason: str) -> None:
-        """A call forwarded but not recorded (`reason`: why capture dropped its bodies): its
-        trajectory says a call is missing (`summary.calls_dropped`), and its done flag still
-        closes it, so it does not wait for the next step holding its prompts."""
+    def add_dropped(self, hints: KeyHints) -> None:
+        """A call forwarded but not recorded (capture dropped its bodies; the drop and its
+        reason are counted where it happened): its trajectory says a call is missing
+        (`summary.calls_dropped`), and its done flag still closes it, so it does not wait for
+        the next step holding its prompts."""
         key = self._key(hints)
         identity = self._identity(key)
         if identity is None:
