@@ -373,6 +373,31 @@ def test_prompt_ids_shared_as_calls_arrive_make_the_record_sharing_at_the_end_ma
     ]
 
 
+def test_rollouts_of_one_sample_hold_their_shared_first_prompt_once() -> None:
+    """GRPO sends one first prompt to every rollout of a sample: decoded for the first, the
+    others take its text as it is (one copy in memory), and every record is still exact."""
+    assembler, out = make()
+    first, other = b"11, 12, 13, 14", b"11, 12, 13, 15"
+    texts = []
+    for rollout, prompt in enumerate((first, first, other, first)):
+        key = hints(step=1, sample_index=5, rollout_n=rollout)
+        body = b'{"token_ids":[' + prompt + b"]}"
+        request, text = decode_request(
+            body, "token_ids", lambda _, k=key: assembler.latest_prompt(k)
+        )
+        made = call(0, None, [rollout])
+        made.prompt.token_ids = request["token_ids"]
+        assembler.add_call(key, made, ids_text=text)
+        texts.append(text)
+    assert texts[1] is texts[0] and texts[3] is texts[0]  # held once
+    assert texts[2] == other
+    assembler.close_all()
+    stored = [orjson.loads(dumps(t)) for t in out if isinstance(t, Trajectory)]
+    assert [t["calls"][0]["prompt"]["token_ids"] for t in stored] == [
+        [11, 12, 13, 14], [11, 12, 13, 14], [11, 12, 13, 15], [11, 12, 13, 14],
+    ]  # fmt: skip
+
+
 def test_a_prompt_whose_text_only_starts_like_the_last_one_is_compared_id_by_id() -> None:
     """'7, 7, 7, 1, 2' begins '7, 7, 7, 1, 23, 5', but only 4 of its 5 ids are shared."""
     assembler, out = make()

@@ -43,6 +43,8 @@ from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
 
 IdsShared = tuple[GenerateCall, int, int]
+# The first prompts remembered per sample, for its other rollouts (see `latest_prompt`).
+FIRST_PROMPTS_BYTES = 32 << 20
 
 
 @dataclass
@@ -107,6 +109,8 @@ class Assembler:
         self._open: OrderedDict[Hashable, _Open] = OrderedDict()
         self._parts: OrderedDict[Hashable, int] = OrderedDict()  # closed identities, bounded
         self._latest_step: dict[tuple[str, str, bool], int] = {}
+        self._first_prompts: OrderedDict[Hashable, tuple[bytes, int]] = OrderedDict()
+        self._first_prompts_bytes = 0
 
     @property
     def open_count(self) -> int:
@@ -181,6 +185,8 @@ class Assembler:
         else:
             _share_ids(trajectory, latest, call, ids_text)
             trajectory.calls.append(call)
+            if latest is None and trajectory.latest_text is not None:
+                self._remember_first_prompt(key, trajectory.latest_text, trajectory.latest_count)
         if single:
             self._finish_later(trajectory, "single_call")
         elif hints.values.get("done") is True:
@@ -189,12 +195,28 @@ class Assembler:
 
     def latest_prompt(self, hints: KeyHints) -> tuple[bytes, int] | None:
         """The JSON text of the latest prompt ids the open trajectory `hints` names holds,
-        already known to be ids, and how many (see `decode_request`)."""
-        identity = self._identity(self._key(hints))
+        already known to be ids, and how many (see `decode_request`). Before its first call:
+        the first prompt of another rollout of the same sample (GRPO sends the same one to
+        all), so that one is neither decoded nor held again."""
+        key = self._key(hints)
+        identity = self._identity(key)
         trajectory = self._open.get(identity) if identity is not None else None
-        if trajectory is None or trajectory.latest_text is None:
-            return None
-        return trajectory.latest_text, trajectory.latest_count
+        if trajectory is not None and trajectory.latest is not None:
+            if trajectory.latest_text is None:
+                return None
+            return trajectory.latest_text, trajectory.latest_count
+        group = _sample_group(key)
+        return self._first_prompts.get(group) if group is not None else None
+
+    def _remember_first_prompt(self, key: RolloutKey, text: bytes, count: int) -> None:
+        group = _sample_group(key)
+        if group is None or group in self._first_prompts:
+            return
+        self._first_prompts[group] = (text, count)
+        self._first_prompts_bytes += len(text)
+        while self._first_prompts_bytes > FIRST_PROMPTS_BYTES and len(self._first_prompts) > 1:
+            _, (old, _) = self._first_prompts.popitem(last=False)
+            self._first_prompts_bytes -= len(old)
 
     def add_dropped(self, hints: KeyHints) -> None:
         """A call forwarded but not recorded (capture dropped its bodies; the drop and its
@@ -406,6 +428,13 @@ class Assembler:
             self._emit(built)
         if self._on_close is not None:
             self._on_close(reason)
+
+
+def _sample_group(key: RolloutKey) -> Hashable | None:
+    """The rollouts that share a first prompt: one sample of one step."""
+    if key.sample_index is None:
+        return None
+    return (key.project, key.experiment, key.step, bool(key.validate), key.sample_index)
 
 
 def _share_ids(

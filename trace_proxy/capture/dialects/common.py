@@ -135,9 +135,10 @@ def decode_request(
     inner list open.
 
     `latest`, given the rest of the request, names the text of a list already known to be
-    ids (the latest prompt of the trajectory it belongs to) and how many. When this list is
-    that one followed by more ids, only those are decoded, and the list stays text
-    (`IdsText`): a multi-turn prompt's earlier turns are not decoded again on every turn.
+    ids (the latest prompt of the trajectory it belongs to, or a sibling rollout's first
+    prompt) and how many. When this list is that one, or that one followed by more ids, only
+    those more are decoded, and the list stays text (`IdsText`): a multi-turn prompt's
+    earlier turns are not decoded again on every turn.
     """
     if ids_field is None:
         return orjson.loads(body), None
@@ -164,6 +165,8 @@ def decode_request(
     ids: list[Any] | IdsText | None = None
     if latest is not None:
         ids = _continued_ids(text, latest(request))
+        if ids is not None:
+            text = ids.text  # the known text itself when the same: held once
     if ids is None:
         try:
             ids = orjson.loads(memoryview(body)[start : end + 1])
@@ -176,11 +179,13 @@ def decode_request(
 
 
 def _continued_ids(text: bytes, known: tuple[bytes, int] | None) -> IdsText | None:
-    """`text` as ids when it is `known`'s text followed by a comma and more ids (only those
-    decoded): then the whole list decodes to ints too. Else None."""
+    """`text` as ids when it is `known`'s text, or that followed by a comma and more ids
+    (only those decoded): then the whole list decodes to ints too. Else None."""
     if known is None or has_line_break(text):
         return None
     base, count = known
+    if text == base:
+        return IdsText(base, count)
     tail = ids_text_tail(text, base)
     if tail is None:
         return None
