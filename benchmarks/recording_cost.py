@@ -96,7 +96,8 @@ def run_once(
         before = cpu_by_process(proxy)
         argv = [sys.executable, "-m", "benchlib.loadgen", "--url", url + PATH,
                 "--concurrency", concurrency, "--warmup", "0", "--duration", str(args.duration),
-                "--prompt-tokens", str(mode.prompt_tokens)]  # fmt: skip
+                "--prompt-tokens", str(mode.prompt_tokens),
+                "--rollouts", str(args.rollouts)]  # fmt: skip
         if mode.stream:
             argv.append("--stream")
         done = subprocess.run(argv, cwd=BENCH_DIR, env=child_env(), capture_output=True,
@@ -128,7 +129,9 @@ def report(args: argparse.Namespace, runs: list[Run], head: str, base: str) -> s
     lines = [
         SECTION, "",
         f"`python benchmarks/recording_cost.py --baseline {args.baseline} --cells "
-        f"{','.join(args.cells)} --rounds {args.rounds} --duration {args.duration:g}`: "
+        f"{','.join(args.cells)} --rounds {args.rounds} --duration {args.duration:g}"
+        + (f" --rollouts {args.rollouts}" if args.rollouts > 1 else "")
+        + "`: "
         f"{head} against {base}, medians of {args.rounds} runs each, the two versions "
         "alternating. CPU is per request sent (µs) by process, and capture + export per call "
         "recorded; a version that drops exchanges (falls behind) spends nothing on them. Peak RSS: "
@@ -182,6 +185,8 @@ def main() -> int:
                         help="MODE:CONCURRENCY, comma-separated")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--duration", type=float, default=6.0, help="seconds of load per run")
+    parser.add_argument("--rollouts", type=int, default=1,
+                        help="trajectories per sample index, as GRPO sends them")  # fmt: skip
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "RESULTS.md")
     args = parser.parse_args()
     stop_on_sigterm()

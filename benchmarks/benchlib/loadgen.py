@@ -52,6 +52,11 @@ class LoadSpec:
     think: float  # seconds a worker pauses after each response (0: back to back)
     prompt_tokens: int = PROMPT_TOKENS
     rate: float | None = None  # open loop: requests per second
+    rollouts: int = 1  # trajectories per sample index (GRPO), consecutive ones sharing it
+
+    def headers(self, trajectory: int, turn: int, turns: int) -> dict[str, str]:
+        sample, rollout = divmod(trajectory, self.rollouts)
+        return rollout_headers(self.step, sample, done=turn == turns - 1, rollout=rollout)
 
 
 @dataclass
@@ -146,7 +151,7 @@ async def _worker(
         for index, turn in enumerate(turns):
             if not tally.issuing():
                 return
-            headers = rollout_headers(spec.step, sample, done=index == len(turns) - 1)
+            headers = spec.headers(sample, index, len(turns))
             await _request(session, spec, turn, index, headers, tally)
             if spec.think > 0:
                 await asyncio.sleep(spec.think)
@@ -163,7 +168,7 @@ async def _open_loop(
 
     async def one(sample: int, index: int, scheduled: float) -> None:
         done = index == len(turns) - 1
-        headers = rollout_headers(spec.step, sample, done=done)
+        headers = spec.headers(sample, index, len(turns))
         await _request(session, spec, turns[index], index, headers, tally, scheduled)
         if not done:
             ready.append((sample, index + 1))
@@ -272,6 +277,7 @@ def parse_spec(argv: list[str]) -> LoadSpec:
     parser.add_argument("--think", type=float, default=0.0)
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--rate", type=float, default=None, help="open loop: requests/s")
+    parser.add_argument("--rollouts", type=int, default=1, help="trajectories per sample index")
     return LoadSpec(**vars(parser.parse_args(argv)))
 
 

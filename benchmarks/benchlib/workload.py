@@ -92,14 +92,14 @@ def build_turns(
     return result
 
 
-def rollout_headers(step: int, sample_index: int, done: bool) -> dict[str, str]:
+def rollout_headers(step: int, sample_index: int, done: bool, rollout: int = 0) -> dict[str, str]:
     """The metadata an RL framework sends so trace-proxy groups calls into trajectories."""
     headers = {
         "Content-Type": JSON_TYPE,
         "X-Rollout-Experiment": "overhead-bench",
         "X-Rollout-Step": str(step),
         "X-Rollout-Sample-Index": str(sample_index),
-        "X-Rollout-N": "0",
+        "X-Rollout-N": str(rollout),
     }
     if done:
         headers["X-Rollout-Done"] = "true"
