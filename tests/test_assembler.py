@@ -7,6 +7,7 @@ import random
 import time
 
 import orjson
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -16,6 +17,7 @@ from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
+from trace_proxy.trajectories import assembler as assembler_module
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.prompts import (
     common_prefix,
@@ -396,6 +398,24 @@ def test_rollouts_of_one_sample_hold_their_shared_first_prompt_once() -> None:
     assert [t["calls"][0]["prompt"]["token_ids"] for t in stored] == [
         [11, 12, 13, 14], [11, 12, 13, 14], [11, 12, 13, 15], [11, 12, 13, 14],
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize(("budget", "kept"), [(20, 2), (1000, 3)])  # 7 bytes a prompt
+def test_first_prompts_are_remembered_for_the_latest_samples_only(
+    monkeypatch: pytest.MonkeyPatch, budget: int, kept: int
+) -> None:
+    monkeypatch.setattr(assembler_module, "FIRST_PROMPTS", 3)
+    monkeypatch.setattr(assembler_module, "FIRST_PROMPTS_BYTES", budget)
+    assembler, _ = make()
+    texts = {sample: f"{sample}, 2, 3".encode() for sample in range(6)}  # 7 bytes each
+    for sample, text in texts.items():
+        made = call(0, [sample, 2, 3], [9])
+        assembler.add_call(hints(step=1, sample_index=sample, rollout_n=0), made, ids_text=text)
+    remembered = {
+        sample: assembler.latest_prompt(hints(step=1, sample_index=sample, rollout_n=1))
+        for sample in texts
+    }
+    assert remembered == {s: (texts[s], 3) if s >= 6 - kept else None for s in texts}
 
 
 def test_a_prompt_whose_text_only_starts_like_the_last_one_is_compared_id_by_id() -> None:

@@ -43,7 +43,9 @@ from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
 
 IdsShared = tuple[GenerateCall, int, int]
-# The first prompts remembered per sample, for its other rollouts (see `latest_prompt`).
+# The first prompts remembered per sample, for its other rollouts (see `latest_prompt`): the
+# latest samples' (a group's rollouts start close together), at most so many and so large.
+FIRST_PROMPTS = 1024
 FIRST_PROMPTS_BYTES = 32 << 20
 
 
@@ -214,8 +216,11 @@ class Assembler:
             return
         self._first_prompts[group] = (text, count)
         self._first_prompts_bytes += len(text)
-        while self._first_prompts_bytes > FIRST_PROMPTS_BYTES and len(self._first_prompts) > 1:
-            _, (old, _) = self._first_prompts.popitem(last=False)
+        prompts = self._first_prompts
+        while len(prompts) > 1 and (
+            len(prompts) > FIRST_PROMPTS or self._first_prompts_bytes > FIRST_PROMPTS_BYTES
+        ):
+            _, (old, _) = prompts.popitem(last=False)
             self._first_prompts_bytes -= len(old)
 
     def add_dropped(self, hints: KeyHints) -> None:
