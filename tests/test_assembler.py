@@ -14,7 +14,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from trace_proxy.capture.dialects.common import decode_request
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.metadata import KeyHints, MetadataResolver
+from trace_proxy.capture.metadata import KeyHints, MetadataResolver, parse_mapping
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories import assembler as assembler_module
@@ -211,12 +211,41 @@ def test_a_later_call_without_tools_does_not_inherit_them() -> None:
     assert [p["tools"] for p in expand_prompts(stored)] == [tools, []]
 
 
-def inline_stage(assembler: Assembler, metrics: Metrics) -> CaptureStage:
+def inline_stage(
+    assembler: Assembler, metrics: Metrics, resolver: MetadataResolver | None = None
+) -> CaptureStage:
     """A capture stage with a budget of 1000 body bytes."""
     return CaptureStage(
-        MetadataResolver([]), assembler, metrics, project="p", experiment="e",
+        resolver or MetadataResolver([]), assembler, metrics, project="p", experiment="e",
         queue_size=100, idle_check_interval=60, queue_bytes=1000,
     )  # fmt: skip
+
+
+async def test_a_body_mapping_rule_names_the_trajectory_of_a_continuing_prompt() -> None:
+    """The key a request's body gives, resolved once, both finds the prompt it continues and
+    files its call."""
+    assembler, out = make()
+    rules = [parse_mapping("body:rid=trajectory_id")]
+    stage = inline_stage(assembler, Metrics(), MetadataResolver(rules))
+    prompts = ([5, 6, 7, 8], [5, 6, 7, 8, 9, 10, 11, 12])
+    for start, prompt in enumerate(prompts):
+        request = orjson.dumps({"rid": "t1", "prompt": prompt, "max_tokens": 1})
+        response = orjson.dumps({"choices": [{"index": 0, "text": "a", "token_ids": [9, 10],
+                                              "finish_reason": "stop"}]})  # fmt: skip
+        stage.submit(Exchange(
+            method="POST", path="/v1/completions", query="",
+            request_headers=CIMultiDictProxy(CIMultiDict()), path_metadata=[], upstream="u",
+            start=float(start), status=200, request_body=request, response_chunks=[response],
+        ))  # fmt: skip
+    stage.start()
+    await stage.drain()
+    await stage.stop()
+    assembler.close_all()
+    [built] = [r for r in out if isinstance(r, Trajectory)]
+    assert built.key.trajectory_id == "t1"
+    assert built.calls[1].prompt.prefix_len == {"token_ids": 6}
+    stored = orjson.loads(dumps(built))
+    assert [p["token_ids"] for p in expand_prompts(stored)] == list(prompts)
 
 
 async def test_capture_queue_bounds_the_body_bytes_it_holds() -> None:

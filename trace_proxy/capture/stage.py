@@ -19,7 +19,7 @@ from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
 from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
 from trace_proxy.capture.exchange import Exchange, dropped_mark
-from trace_proxy.capture.metadata import MetadataResolver
+from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
@@ -188,10 +188,11 @@ class CaptureStage:
         dialect, parser = DIALECTS[exchange.path]
         request: Any = None
         ids_text: bytes | None = None
+        resolved: dict[int, KeyHints] = {}  # by id() of the body resolved
         try:
             ids_field = PROMPT_IDS.get(exchange.path)
             request, ids_text = decode_request(
-                exchange.request_body, ids_field, partial(self._latest_prompt, exchange)
+                exchange.request_body, ids_field, partial(self._latest_prompt, exchange, resolved)
             )
             if not isinstance(request, dict):
                 raise ParseError("request body is not a JSON object")
@@ -203,7 +204,8 @@ class CaptureStage:
             parsed = [self._unparsed(exchange, dialect, request, f"parser error: {exc!r}")]
         ids = request.get(ids_field) if ids_text is not None and ids_field else None
         for item in parsed:
-            hints = self._resolver.resolve(
+            found = resolved.get(id(item.body))
+            hints = found or self._resolver.resolve(
                 exchange.request_headers, exchange.path_metadata, item.body
             )
             counter = (
@@ -216,9 +218,12 @@ class CaptureStage:
         self._metrics.open_trajectories.set(self._assembler.open_count)
 
     def _latest_prompt(
-        self, exchange: Exchange, request: dict[str, Any]
+        self, exchange: Exchange, resolved: dict[int, KeyHints], request: dict[str, Any]
     ) -> tuple[bytes, int] | None:
+        """Resolved once: the request's calls reuse these hints. Body rules read only strings
+        and ints, so the ids the request still lacks here change nothing."""
         hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, request)
+        resolved[id(request)] = hints
         return self._assembler.latest_prompt(hints)
 
     def _tool_call(self, exchange: Exchange) -> None:
