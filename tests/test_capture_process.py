@@ -209,6 +209,41 @@ async def test_parsing_runs_in_another_process_which_is_replaced_when_it_dies(
     assert {(1, i) for i in range(4)} | {(3, 0)} <= recorded
 
 
+async def test_a_flush_right_after_submitting_waits_for_those_exchanges(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    """Exchanges are written to the capture process once per loop iteration, together; a
+    flush asked for in the same iteration covers them all, even when they are more than the
+    socket holds at once."""
+    _, upstream = fake_vllm
+    async with (
+        running_proxy([upstream], tmp_path, capture_queue_bytes=2 << 20) as (service, _),
+        aiohttp.ClientSession() as session,
+    ):
+        capture = service.recorder
+        assert isinstance(capture, CaptureProcess)
+        body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": "q"}],
+                "max_tokens": 4}  # fmt: skip
+        async with session.post(upstream + "/v1/chat/completions", json=body) as response:
+            headers, answer = response.headers.copy(), await response.read()
+        loop = asyncio.get_running_loop()
+        sent = 0
+        while sent * (len(answer) + 600) < 900 << 10:  # above the 512 KiB socket buffer
+            rollout = {"Content-Type": "application/json", "X-Rollout-Step": "7",
+                       "X-Rollout-Sample-Index": str(sent), "X-Rollout-N": "0",
+                       "X-Rollout-Done": "1"}  # fmt: skip
+            capture.submit(Exchange(
+                "POST", "/v1/chat/completions", "", CIMultiDictProxy(CIMultiDict(rollout)), [],
+                upstream, loop.time(), orjson.dumps(body), 200, headers, [answer],
+                loop.time(), loop.time(),
+            ))  # fmt: skip
+            sent += 1
+        await asyncio.wait_for(capture.flush(), GUARD)
+        assert keys(tmp_path) == [(7, i) for i in range(sent)]
+        assert metric(service.metrics, "trace_proxy_capture_dropped_total",
+                      reason="capture_queue_bytes") == 0  # fmt: skip
+
+
 async def test_a_stalled_capture_process_never_holds_up_forwarding(
     fake_vllm: tuple[Any, str], tmp_path: Path
 ) -> None:

@@ -71,6 +71,9 @@ class CaptureProcess(Helper):
         self._ids = itertools.count()
         self._answers: dict[int, asyncio.Future[Any]] = {}
         self._transport: asyncio.WriteTransport | None = None
+        # Frames of this loop iteration's exchanges, written together by `_write_pending`.
+        self._pending: list[bytes] = []
+        self._pending_bytes = 0
 
     @property
     def backends(self) -> list[str]:
@@ -81,20 +84,38 @@ class CaptureProcess(Helper):
         return True
 
     def submit(self, exchange: Exchange) -> None:
-        """On the hot path: write the exchange's frame; never blocks, never raises."""
+        """On the hot path: queue the exchange's frames; never blocks, never raises."""
         transport = self._transport
         if transport is None or transport.is_closing():
             self._metrics.capture_dropped.labels("capture_process_down").inc()
             return
-        buffered = transport.get_write_buffer_size()
+        buffered = transport.get_write_buffer_size() + self._pending_bytes
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
         if buffered and buffered + size > self._max_buffered:
             self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
             if buffered < self._max_buffered + MARKS_BYTES:
-                transport.writelines(encode_exchange(dropped_mark(exchange, "capture_queue_bytes")))
+                self._queue(encode_exchange(dropped_mark(exchange, "capture_queue_bytes")))
             return
-        transport.writelines(encode_exchange(exchange))
+        self._queue(encode_exchange(exchange))
         self._sent += 1
+
+    def _queue(self, frames: list[bytes]) -> None:
+        """One write per loop iteration, not one per exchange: at 64 requests in flight a
+        socket write (and a wake-up of the child) per exchange was a sixth of the
+        forwarder's time."""
+        if not self._pending:
+            asyncio.get_running_loop().call_soon(self._write_pending)
+        self._pending.extend(frames)
+        self._pending_bytes += sum(map(len, frames))
+
+    def _write_pending(self) -> None:
+        """Also called before any control message, so that one follows the exchanges
+        submitted before it."""
+        pending, self._pending = self._pending, []
+        self._pending_bytes = 0
+        transport = self._transport
+        if pending and transport is not None and not transport.is_closing():
+            transport.writelines(pending)  # else counted lost with the child (`_died`)
 
     async def flush(self) -> None:
         await self._ask({"op": "flush"})
@@ -106,6 +127,7 @@ class CaptureProcess(Helper):
     async def stop(self, timeout: float) -> None:
         """After the listener stopped: the child parses what it has, closes every trajectory
         and exports (within `timeout`), then leaves."""
+        self._write_pending()
         await self._stop(encode_control({"op": "stop", "timeout": timeout}), timeout + 60)
         self._transport = None
         self._fail_answers("the capture process has stopped")
@@ -118,6 +140,7 @@ class CaptureProcess(Helper):
 
     def _died(self) -> None:
         self._transport = None
+        self._pending, self._pending_bytes = [], 0
         # In transit, or held by the child as it last said: an upper bound, since what it
         # finished after its last status may be counted as both recorded and lost.
         lost = self._sent - self._received + self._held
@@ -151,6 +174,7 @@ class CaptureProcess(Helper):
         answer_id = next(self._ids)
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self._answers[answer_id] = future
+        self._write_pending()
         writer.write(encode_control({**message, "id": answer_id}))
         return await future
 
