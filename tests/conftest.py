@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -47,3 +48,9 @@ async def start_fake() -> AsyncIterator[StartFake]:
     yield start
     for runner in runners:
         await runner.cleanup()
+
+
+@pytest.fixture(scope="session")
+def trackio_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """trackio reads its directory once per process, when imported: one for the session."""
+    return tmp_path_factory.mktemp("trackio")

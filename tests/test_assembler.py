@@ -19,6 +19,7 @@ from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories import assembler as assembler_module
 from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.prompts import (
     common_prefix,
     expand_prompts,
@@ -35,6 +36,7 @@ from trace_proxy.trajectories.record import (
     ids_list,
 )
 from trace_proxy.trajectories.rewards import Outcome
+from trace_proxy.trajectories.sampler import Fate, Policy, Sampler
 
 
 class Clock:
@@ -276,18 +278,41 @@ async def test_capture_queue_bounds_the_body_bytes_it_holds() -> None:
 def test_a_dropped_call_counts_in_its_trajectory_and_its_done_flag_closes_it() -> None:
     assembler, out = make()
     first = hints(step=1, sample_index=0, rollout_n=0)
-    assembler.add_dropped(first)  # before any call: opens it
+    assembler.add_dropped(first, 0.5, 0.75)  # before any call: opens it
     assembler.add_call(first, call(1, [1, 2], [3]))
-    assembler.add_dropped(hints(step=1, sample_index=0, rollout_n=0, done="true"))
+    assembler.add_dropped(hints(step=1, sample_index=0, rollout_n=0, done="true"), 3.0, None)
     only_dropped = hints(step=1, sample_index=1, rollout_n=0)
-    assembler.add_dropped(only_dropped)
-    assembler.add_dropped(hints())  # no key: nothing to count it in
+    assembler.add_dropped(only_dropped, 2.0, 2.5)
+    assembler.add_dropped(only_dropped, 4.0, 4.25)
+    assembler.add_dropped(hints(), 1.0, 1.0)  # no key: nothing to count it in
     assert assembler.open_count == 1
     assembler.close_all()
-    [built] = out  # a trajectory of dropped calls alone has nothing to show
-    assert isinstance(built, Trajectory)
-    assert (built.close_reason, built.key.sample_index) == ("done", 0)
-    assert (built.summary["calls"], built.summary["calls_dropped"]) == (1, 2)
+    built = {t.key.sample_index: t for t in out if isinstance(t, Trajectory)}
+    assert sorted(built) == [0, 1]
+    mixed, empty = built[0], built[1]
+    assert mixed.close_reason == "done"
+    assert (mixed.summary["calls"], mixed.summary["calls_dropped"]) == (1, 2)
+    assert (mixed.start, mixed.end) == (0.5, 3.0)  # the dropped calls' times count
+    # Every call dropped: still a record, so the sample is not missing from its step.
+    assert (empty.close_reason, empty.calls, empty.tools) == ("shutdown", [], [])
+    assert (empty.summary["calls"], empty.summary["calls_dropped"]) == (0, 2)
+    assert (empty.start, empty.end, empty.status) == (2.0, 4.25, "ok")
+
+
+def test_a_dropped_call_of_a_sample_the_sampler_refuses_leaves_no_record() -> None:
+    out: list[Record] = []
+    gate = SamplingGate(Sampler(train=Policy(rate=0.5)), out.append)
+    assembler = Assembler(out.append, project="p", experiment="e", idle_timeout=10,
+                          clock=Clock(), gate=gate)  # fmt: skip
+    policy = Sampler(train=Policy(rate=0.5))
+    kept = [s for s in range(20) if policy.decide("e", 1, False, s)[0] is not Fate.DROP]
+    assert 0 < len(kept) < 20
+    for sample in range(20):
+        assembler.add_dropped(hints(step=1, sample_index=sample, rollout_n=0, done="1"), 1.0, 2.0)
+    assembler.close_all()
+    records = [t for t in out if isinstance(t, Trajectory)]
+    assert sorted(t.key.sample_index for t in records) == kept
+    assert all(t.summary["calls_dropped"] == 1 and not t.calls for t in records)
 
 
 async def test_an_exchange_past_the_byte_budget_leaves_a_mark_in_its_trajectory() -> None:

@@ -270,10 +270,12 @@ async def test_a_stalled_capture_process_never_holds_up_forwarding(
         await asyncio.wait_for(service.flush(), GUARD)
         dropped = metric(service.metrics, "trace_proxy_capture_dropped_total",
                          reason="capture_queue_bytes")  # fmt: skip
-    recorded = keys(tmp_path)
+    records = trajectories(tmp_path)
     assert dropped > 0, "the budget of 64 KiB should not hold 60 exchanges"
-    assert len(recorded) + dropped == sent
-    assert len(set(recorded)) == len(recorded)
+    # Every sample has its record: its call, or its dropped call counted (the head got over).
+    assert sorted(t["key"]["sample_index"] for t in records) == list(range(sent))
+    assert sum(len(t["calls"]) for t in records) + dropped == sent
+    assert all(len(t["calls"]) + t["summary"]["calls_dropped"] == 1 for t in records)
 
 
 async def test_a_call_dropped_for_lack_of_room_still_counts_in_its_trajectory(

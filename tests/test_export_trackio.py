@@ -49,11 +49,6 @@ pytestmark = pytest.mark.skipif(
 IM_END_ID = 151645
 
 
-@pytest.fixture(scope="session")
-def trackio_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("trackio")
-
-
 @pytest.fixture
 def project() -> str:
     return f"tp-{uuid.uuid4().hex[:12]}"

@@ -168,7 +168,7 @@ class CaptureStage:
                 hints = self._resolver.resolve(
                     exchange.request_headers, exchange.path_metadata, None
                 )
-                self._assembler.add_dropped(hints)
+                self._assembler.add_dropped(hints, exchange.start, exchange.end, exchange.admitted)
             return
         if kind is RouteKind.CONTROL:
             hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)

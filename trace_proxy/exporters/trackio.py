@@ -535,6 +535,7 @@ def trajectory_metadata(data: JSON) -> JSON:
         "num_turns": summary.get("calls", len(calls)),
         "num_tool_calls": summary.get("tool_calls"),
         "num_errors": summary.get("errors"),
+        "calls_dropped": summary.get("calls_dropped"),
         "prompt_tokens": summary.get("prompt_tokens"),
         "completion_tokens": summary.get("completion_tokens"),
         "duration_ms": duration_ms(data.get("start"), data.get("end")),

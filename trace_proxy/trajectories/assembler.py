@@ -60,6 +60,7 @@ class _Open:
     annotations: list[dict[str, Any]] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # rewards posted while open
     dropped: int = 0  # calls forwarded whose bodies capture could not keep
+    dropped_span: tuple[float, float] | None = None  # their earliest start and latest end
     # Prompt ids are shared as calls arrive (see `_share_ids`): the call that started last (the
     # last added of those that started together) and its full prompt ids, as the JSON text they
     # were decoded from when known (about a sixth of the memory of ints), else as a list; for
@@ -223,18 +224,29 @@ class Assembler:
             _, (old, _) = prompts.popitem(last=False)
             self._first_prompts_bytes -= len(old)
 
-    def add_dropped(self, hints: KeyHints) -> None:
+    def add_dropped(
+        self, hints: KeyHints, start: float, end: float | None, admitted: bool = False
+    ) -> None:
         """A call forwarded but not recorded (capture dropped its bodies; the drop and its
         reason are counted where it happened): its trajectory says a call is missing
-        (`summary.calls_dropped`), and its done flag still closes it, so it does not wait for
-        the next step holding its prompts."""
+        (`summary.calls_dropped`) and spans its time, and its done flag still closes it, so
+        it does not wait for the next step holding its prompts. A trajectory of dropped
+        calls alone is still a record, with no calls: the sample it belongs to is not
+        missing from the step. `admitted` as for `add_call`: the sampler still decides."""
         key = self._key(hints)
         identity = self._identity(key)
         if identity is None:
             return  # no key: its own trajectory would hold nothing
+        if self._gate is not None and not admitted and not self._gate.admit(key):
+            self._close_older_steps(key)
+            return
         trajectory = self._attach(key, hints)
         assert trajectory is not None
         trajectory.dropped += 1
+        end = start if end is None else end
+        span = trajectory.dropped_span
+        trajectory.dropped_span = (start, end) if span is None else (
+            min(span[0], start), max(span[1], end))  # fmt: skip
         if hints.values.get("done") is True:
             del self._open[identity]
             self._close(trajectory, "done")
@@ -419,8 +431,8 @@ class Assembler:
 
     def _finish(self, trajectory: _Open, reason: str) -> None:
         self._closing.pop(trajectory.id, None)
-        if not trajectory.calls and not trajectory.tools:
-            # Only dropped calls: no record (the drops are counted); a reward still is one.
+        if not trajectory.calls and not trajectory.tools and not trajectory.dropped:
+            # Nothing forwarded in it (a reward alone): no record; the reward still counts.
             key = trajectory.key
             if self._gate is not None:
                 for outcome in trajectory.outcomes:
@@ -549,6 +561,9 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
         labels.update(outcome.labels)
     times = [c.start for c in calls] + [t.start for t in tools]
     ends = [c.end or c.start for c in calls] + [t.end or t.start for t in tools]
+    if open_.dropped_span is not None:
+        times.append(open_.dropped_span[0])
+        ends.append(open_.dropped_span[1])
     return Trajectory(
         id=open_.id,
         key=open_.key,
