@@ -31,6 +31,7 @@ from trace_proxy.trajectories.record import (
     Output,
     Prompt,
     Record,
+    StepSummary,
     Trajectory,
     dumps,
     ids_list,
@@ -310,9 +311,14 @@ def test_a_dropped_call_of_a_sample_the_sampler_refuses_leaves_no_record() -> No
     for sample in range(20):
         assembler.add_dropped(hints(step=1, sample_index=sample, rollout_n=0, done="1"), 1.0, 2.0)
     assembler.close_all()
+    gate.end_step("p", "e", False, 1)
     records = [t for t in out if isinstance(t, Trajectory)]
     assert sorted(t.key.sample_index for t in records) == kept
     assert all(t.summary["calls_dropped"] == 1 and not t.calls for t in records)
+    # The step's call counts are of calls recorded or refused by the sampler: not these.
+    [summary] = [r for r in out if isinstance(r, StepSummary)]
+    assert (summary.calls_seen, summary.calls_kept, summary.calls_dropped_by_sampler) == (0, 0, 0)
+    assert (summary.trajectories_seen, summary.trajectories_kept) == (len(kept), len(kept))
 
 
 async def test_an_exchange_past_the_byte_budget_leaves_a_mark_in_its_trajectory() -> None:

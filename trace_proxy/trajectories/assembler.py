@@ -237,7 +237,7 @@ class Assembler:
         identity = self._identity(key)
         if identity is None:
             return  # no key: its own trajectory would hold nothing
-        if self._gate is not None and not admitted and not self._gate.admit(key):
+        if self._gate is not None and not admitted and not self._gate.admit(key, counted=False):
             self._close_older_steps(key)
             return
         trajectory = self._attach(key, hints)

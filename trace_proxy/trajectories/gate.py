@@ -67,13 +67,16 @@ class SamplingGate:
         """Is anything being sampled out? (If not, there is nothing to decide early.)"""
         return self._active
 
-    def admit(self, key: RolloutKey) -> bool:
-        """Is a new call of this key worth keeping?"""
+    def admit(self, key: RolloutKey, counted: bool = True) -> bool:
+        """Is a new call of this key worth keeping? `counted` False: a call whose content
+        capture dropped, which the step summary's call counts leave out."""
+        fate, _ = self._sampler.decide(key.experiment, key.step, bool(key.validate), sample_of(key))
+        if not counted:
+            return fate is not Fate.DROP
         scope = scope_of(key)
         summary = self._summary(scope)
         summary.calls_seen += 1
         self._count("calls", "seen", 1)
-        fate, _ = self._sampler.decide(key.experiment, key.step, bool(key.validate), sample_of(key))
         if fate is not Fate.DROP:
             return True
         summary.calls_dropped_by_sampler += 1
