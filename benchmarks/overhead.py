@@ -66,7 +66,7 @@ VARIANTS = {
     INLINE: ["--capture-mode", "inline"],
 }
 SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, INLINE, NGINX, LITELLM)
-MODES = ("json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s")
+MODES = ("json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s", "sse@1700/s")
 OPEN_LOOP_IN_FLIGHT = 512  # an open-loop cell's cap on requests in flight
 DRAIN_TIMEOUT = 120.0
 SETTLE_TIMEOUT = 60.0

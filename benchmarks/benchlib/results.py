@@ -214,10 +214,12 @@ def _cpu_ratio(rows: list[Row]) -> str:
 
 
 def _streaming(cells: list[Cell]) -> list[str]:
-    """sse cells: time to the first body bytes and the p99 gap between reads, vs direct's."""
+    """sse cells: time to the first body bytes and the p99 gap between reads, vs direct's;
+    for an open loop, also the SSE events per second it streams in all."""
     lines = []
-    for concurrency in sorted({c.concurrency for c in cells if c.mode == "sse"}):
-        mine = [c for c in cells if c.mode == "sse" and c.concurrency == concurrency]
+    loads = sorted({(c.mode, c.concurrency) for c in cells if parse_mode(c.mode).stream})
+    for mode, concurrency in loads:
+        mine = [c for c in cells if c.mode == mode and c.concurrency == concurrency]
 
         def median(system: str, what: str, mine: list[Cell] = mine) -> float | None:
             values = [c.load.get(what) for c in mine if c.system == system]
@@ -233,8 +235,16 @@ def _streaming(cells: list[Cell]) -> list[str]:
             if first is not None and gap is not None:
                 said.append(f"{system} adds {first - direct_first:+.3f} ms to the first byte "
                             f"(p50) and {gap - direct_gap:+.3f} ms to the p99 gap")  # fmt: skip
+        parsed = parse_mode(mode)
+        if parsed.rate is None:
+            load = f"{mode}, concurrency {concurrency}"
+        else:
+            events = len(build_turns(1, stream=True, seed=0, prompt_tokens=parsed.prompt_tokens)[0]
+                         .chunks)  # fmt: skip
+            load = (f"{mode}, open loop: {events} SSE events per response, "
+                    f"{parsed.rate * events:,.0f} events/s in all")  # fmt: skip
         lines.append(
-            f"Streaming, concurrency {concurrency} (direct: first byte p50 {direct_first:.3f} "
+            f"Streaming, {load} (direct: first byte p50 {direct_first:.3f} "
             f"ms, p99 gap between reads {direct_gap:.3f} ms): " + "; ".join(said) + "."
         )
     return lines
