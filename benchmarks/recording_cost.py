@@ -1,7 +1,8 @@
 """What recording costs, process by process: this checkout against an earlier revision, in one run.
 
     python benchmarks/recording_cost.py --baseline REV [--cells json:64,json-8k:64,json-32k:1]
-                                        [--rounds 2] [--duration 6]
+                                        [--rounds 2] [--duration 6] [--rollouts N]
+                                        [--proxy-args '--max-samples-per-step 4']
 
 The machine's speed drifts by tens of percent between runs (the overhead benchmark's
 forwarding-only figures moved that much with no change to forwarding), so a change to recording
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -91,7 +93,8 @@ def run_once(
     mode_name, _, concurrency = cell.partition(":")
     mode = parse_mode(mode_name)
     name = f"{version}-{number}"
-    proxy, url, admin = start_trace_proxy(workdir, upstream, name, source=tree)
+    extra = shlex.split(args.proxy_args)
+    proxy, url, admin = start_trace_proxy(workdir, upstream, name, extra, source=tree)
     try:
         before = cpu_by_process(proxy)
         argv = [sys.executable, "-m", "benchlib.loadgen", "--url", url + PATH,
@@ -131,6 +134,7 @@ def report(args: argparse.Namespace, runs: list[Run], head: str, base: str) -> s
         f"`python benchmarks/recording_cost.py --baseline {args.baseline} --cells "
         f"{','.join(args.cells)} --rounds {args.rounds} --duration {args.duration:g}"
         + (f" --rollouts {args.rollouts}" if args.rollouts > 1 else "")
+        + (f" --proxy-args '{args.proxy_args}'" if args.proxy_args else "")
         + "`: "
         f"{head} against {base}, medians of {args.rounds} runs each, the two versions "
         "alternating. CPU is per request sent (µs) by process, and capture + export per call "
@@ -187,6 +191,9 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=6.0, help="seconds of load per run")
     parser.add_argument("--rollouts", type=int, default=1,
                         help="trajectories per sample index, as GRPO sends them")  # fmt: skip
+    parser.add_argument("--proxy-args", default="",
+                        help="more trace-proxy options for both versions, e.g. "
+                        "'--max-samples-per-step 4'")  # fmt: skip
     parser.add_argument("--output", type=Path, default=BENCH_DIR / "RESULTS.md")
     args = parser.parse_args()
     stop_on_sigterm()

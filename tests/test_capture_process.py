@@ -28,7 +28,7 @@ from test_lifecycle import start_serve
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.process import CaptureProcess
 from trace_proxy.capture.wire import HEAD, FrameReader, encode_control, encode_exchange
-from trace_proxy.show import show
+from trace_proxy.show import iter_records, show
 
 GUARD = 60
 
@@ -242,6 +242,54 @@ async def test_a_flush_right_after_submitting_waits_for_those_exchanges(
         assert keys(tmp_path) == [(7, i) for i in range(sent)]
         assert metric(service.metrics, "trace_proxy_capture_dropped_total",
                       reason="capture_queue_bytes") == 0  # fmt: skip
+
+
+async def sampled_rollouts(
+    output: Path, upstream: str, mode: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
+    """Step 1: 8 samples of 3 turns, 2 kept; step 2 closes it. The records, the step
+    summaries, and (capture process) how many whole exchanges its last turn sent."""
+    last_turn_sent = None
+    async with (
+        running_proxy([upstream], output, capture_mode=mode, max_samples_per_step=2) as (
+            service, proxy),
+        aiohttp.ClientSession() as session,
+    ):  # fmt: skip
+        capture = service.recorder
+        for turn in range(3):
+            before = capture._sent if isinstance(capture, CaptureProcess) else 0
+            for sample in range(8):
+                await chat(session, proxy, 1, sample, done=turn == 2)
+            await service.flush()  # what the sampler refused so far is known to the proxy
+            if isinstance(capture, CaptureProcess):
+                last_turn_sent = capture._sent - before
+        await chat(session, proxy, 2, 0)
+    summaries = [r for _, r in iter_records(output) if r.get("record") == "step_summary"]
+    return trajectories(output), summaries, last_turn_sent
+
+
+async def test_later_calls_of_a_refused_sample_cross_as_heads_and_count_the_same(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    """Once the capture process has named a sample its sampler refuses (for good), the proxy
+    sends that sample's later calls without their bodies. What is recorded and counted is
+    what capture in the proxy's own process, which decides before keeping any body, gives."""
+    _, upstream = fake_vllm
+    records, summaries, last_turn_sent = await sampled_rollouts(
+        tmp_path / "process", upstream, "process"
+    )
+    inline_records, inline_summaries, _ = await sampled_rollouts(
+        tmp_path / "inline", upstream, "inline"
+    )
+    kept = sorted(t["key"]["sample_index"] for t in records if t["key"]["step"] == 1)
+    assert len(kept) == 2 and all(len(t["calls"]) == 3 for t in records if t["key"]["step"] == 1)
+    assert kept == sorted(t["key"]["sample_index"] for t in inline_records
+                          if t["key"]["step"] == 1)  # fmt: skip
+    assert last_turn_sent == 2  # the other 6 calls: heads alone
+    step_one = [{k: v for k, v in r.items() if k != "time"} for r in summaries if r["step"] == 1]
+    inline_step_one = [{k: v for k, v in r.items() if k != "time"} for r in inline_summaries
+                       if r["step"] == 1]  # fmt: skip
+    assert step_one == inline_step_one and step_one[0]["calls_seen"] == 24
 
 
 async def test_a_stalled_capture_process_never_holds_up_forwarding(

@@ -38,8 +38,9 @@ LIMITS = """\
   event loop (`--capture-mode inline`, the design before the capture process): the two side by
   side are the measured effect of moving capture out.
 - **trace-proxy-sampled and trace-proxy-off** are separate trace-proxy processes keeping 10% of
-  the samples and none: the calls of a dropped sample still cross to the capture process, which
-  refuses them from their headers before parsing, so trace-proxy-off is forwarding plus that
+  the samples and none: the first call of a dropped sample crosses to the capture process,
+  which refuses it from its headers before parsing and names the sample to the proxy; later
+  calls of that sample cross as heads without bodies. trace-proxy-off is forwarding plus that
   hand-over, the "tracing off" baseline.
 - **LiteLLM** (one uvicorn worker, logging off) re-serialises requests and responses; with
   these 1k-token-id prompts it spends 30-80 ms of CPU per request here (measured, not profiled:

@@ -51,6 +51,11 @@ class Exchange:
 MARKS_BYTES = 1 << 20
 
 
+# The reason of a mark the forwarder sends instead of an exchange whose sample the sampler
+# has refused for good: the capture process only counts it, as it would the whole exchange.
+REFUSED = "sampler"
+
+
 def dropped_mark(exchange: Exchange, reason: str) -> Exchange:
     """The exchange without its bodies, saying why they were not kept."""
     return replace(exchange, request_body=b"", response_chunks=[], size=0, dropped=reason)

@@ -127,6 +127,15 @@ class KeyHints:
     sources: dict[str, str] = field(default_factory=dict)
     annotations: list[dict[str, str]] = field(default_factory=list)
 
+    def sample(self) -> tuple[Any, ...] | None:
+        """What the sampler decides on, as these hints name it (None without a sample
+        index): equal hints from equal headers in the forwarder and the capture process."""
+        v = self.values
+        if "sample_index" not in v:
+            return None
+        return (v.get("project"), v.get("experiment"), v.get("step"), v.get("validate"),
+                v["sample_index"])  # fmt: skip
+
     def offer(self, name: str, raw: str, source: str) -> None:
         if name in self.values:
             return

@@ -6,6 +6,12 @@ exchange, as raw bytes, to a socket (`wire.py`); a child process runs the `Recor
 stage, assembler, gate, spool, and the export process under it) and sends back its metrics,
 its open-trajectory count, reward answers and flush answers.
 
+Refused samples: the sampler's refusals are final (a sample it drops stays dropped for its
+step), so the child names each refused sample once (`refused`) and the forwarder, which
+resolves the same key hints from the same headers, sends the later calls of that sample as
+heads without bodies (`exchange.REFUSED` marks): the child counts them as before, and with
+10 samples of 1,000 kept, the bodies of nearly every call no longer cross the socket.
+
 Backpressure: the child reads only while its own queue has room, so a backlog stays in the
 forwarder's socket buffer, which is bounded: past half of `--capture-queue-bytes` new
 exchanges are dropped and counted (`capture_queue_bytes`); the child's queue holds the other
@@ -24,13 +30,16 @@ import contextlib
 import itertools
 import logging
 import sys
+from collections import OrderedDict
 from typing import Any
 
 import orjson
 from prometheus_client import generate_latest
 
-from trace_proxy.capture.exchange import MARKS_BYTES, Exchange, dropped_mark
+from trace_proxy.capture.exchange import MARKS_BYTES, REFUSED, Exchange, dropped_mark
+from trace_proxy.capture.metadata import KeyHints, MetadataResolver, parse_mapping
 from trace_proxy.capture.recorder import Recorder
+from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.wire import FrameReader, encode_control, encode_exchange
 from trace_proxy.child import Helper, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
@@ -44,6 +53,7 @@ START_TIMEOUT = 330.0  # the export process under it may take 300 s
 STATUS_EVERY = 1.0
 RESTART_DELAY = 1.0
 SOCKET_BUFFER = 4 << 20  # the kernel's share of the backlog (at most a quarter of ours)
+REFUSED_SAMPLES = 1 << 16  # refused samples remembered (each side), the latest named kept
 
 
 class CaptureProcess(Helper):
@@ -74,6 +84,8 @@ class CaptureProcess(Helper):
         # Frames of this loop iteration's exchanges, written together by `_write_pending`.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
+        self._resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
+        self._refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # as the child said
 
     @property
     def backends(self) -> list[str]:
@@ -90,6 +102,12 @@ class CaptureProcess(Helper):
             self._metrics.capture_dropped.labels("capture_process_down").inc()
             return
         buffered = transport.get_write_buffer_size() + self._pending_bytes
+        if self._refused and self._refuses(exchange):
+            if buffered < self._max_buffered + MARKS_BYTES:
+                self._queue(encode_exchange(dropped_mark(exchange, REFUSED)))
+            else:  # counted where the child would have counted it
+                self._metrics.capture_dropped.labels("sampler").inc()
+            return
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
         if buffered and buffered + size > self._max_buffered:
             self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
@@ -98,6 +116,14 @@ class CaptureProcess(Helper):
             return
         self._queue(encode_exchange(exchange))
         self._sent += 1
+
+    def _refuses(self, exchange: Exchange) -> bool:
+        """A generate call of a sample the child said the sampler refuses."""
+        if classify(exchange.method, exchange.path) is not RouteKind.GENERATE:
+            return False
+        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
+        sample = hints.sample()
+        return sample is not None and sample in self._refused
 
     def _queue(self, frames: list[bytes]) -> None:
         """One write per loop iteration, not one per exchange: at 64 requests in flight a
@@ -135,6 +161,7 @@ class CaptureProcess(Helper):
     def _started(self) -> None:
         assert self._writer is not None
         self._sent = self._received = self._held = 0
+        self._refused.clear()  # a new sampler: it says again what it refuses
         self._transport = self._writer.transport  # type: ignore[assignment]
         self.generation += 1
 
@@ -157,6 +184,11 @@ class CaptureProcess(Helper):
             self.open_count = message["open"]
             self._received = message["received"]
             self._held = message["held"]
+        elif op == "refused":
+            refused = self._refused
+            refused[tuple(message["sample"])] = None
+            if len(refused) > REFUSED_SAMPLES:
+                refused.popitem(last=False)
         elif op in ("annotated", "flushed"):
             future = self._answers.pop(message["id"], None)
             if future is not None and not future.done():
@@ -203,6 +235,8 @@ class _Child:
         self.transport = reader.transport
         self.received = 0
         self.tasks: set[asyncio.Task[None]] = set()
+        self.refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # named to the proxy
+        recorder.capture.on_refused = self._refused
 
     def send(self, message: dict[str, Any]) -> None:
         if not self.transport.is_closing():
@@ -217,6 +251,17 @@ class _Child:
             "held": self.recorder.held,
         })  # fmt: skip
 
+    def _refused(self, hints: KeyHints) -> None:
+        """Name a refused sample to the proxy once, so it stops sending the bodies of its
+        calls."""
+        sample = hints.sample()
+        if sample is None or sample in self.refused:
+            return
+        self.refused[sample] = None
+        if len(self.refused) > REFUSED_SAMPLES:
+            self.refused.popitem(last=False)
+        self.send({"op": "refused", "sample": sample})
+
     async def run(self) -> float:
         """Until the proxy says stop (its timeout) or goes away (the configured grace)."""
         recorder = self.recorder
@@ -230,6 +275,11 @@ class _Child:
                     log.error("the capture process stops reading: %s", exc)
                 return recorder.settings.shutdown_grace
             if isinstance(frame, Exchange):
+                if frame.dropped == REFUSED:
+                    if recorder.admit(frame):  # not expected: the sampler refused it before
+                        recorder.metrics.capture_dropped.labels("sampler_changed").inc()
+                        await recorder.capture.put(frame)
+                    continue
                 if frame.dropped is not None:  # counted where it was dropped
                     await recorder.capture.put(frame)
                     continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -54,6 +55,8 @@ class CaptureStage:
         self._room = asyncio.Event()  # set whenever an exchange leaves the queue
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
+        # Told the hints of each call `admit` refuses (the sampler's refusals are final).
+        self.on_refused: Callable[[KeyHints], None] | None = None
 
     def admit(self, exchange: Exchange) -> bool:
         """On the hot path: False when the headers name a sample the sampler has dropped, so
@@ -65,6 +68,8 @@ class CaptureStage:
         verdict = self._assembler.admit_early(hints)
         if verdict is False:
             self._metrics.capture_dropped.labels("sampler").inc()
+            if self.on_refused is not None:
+                self.on_refused(hints)
             return False
         exchange.admitted = verdict is True
         return True
