@@ -37,7 +37,7 @@ from trace_proxy.trajectories.record import (
     ids_list,
 )
 from trace_proxy.trajectories.rewards import Outcome
-from trace_proxy.trajectories.sampler import Fate, Policy, Sampler
+from trace_proxy.trajectories.sampler import Fate, Policy, Sampler, sample_hash
 
 
 class Clock:
@@ -319,6 +319,29 @@ def test_a_dropped_call_of_a_sample_the_sampler_refuses_leaves_no_record() -> No
     [summary] = [r for r in out if isinstance(r, StepSummary)]
     assert (summary.calls_seen, summary.calls_kept, summary.calls_dropped_by_sampler) == (0, 0, 0)
     assert (summary.trajectories_seen, summary.trajectories_kept) == (len(kept), len(kept))
+
+
+def test_a_rollout_closed_then_refused_counts_once_in_its_step() -> None:
+    """Kept at first and closed (its record waits for the step's end), then pushed out by
+    samples of smaller hash, then sending again: one trajectory seen, one dropped."""
+    out: list[Record] = []
+    sampler = Sampler(train=Policy(max_samples=1))
+    gate = SamplingGate(sampler, out.append)
+    assembler = Assembler(out.append, project="p", experiment="e", idle_timeout=10,
+                          clock=Clock(), gate=gate)  # fmt: skip
+    by_hash = sorted(range(50), key=lambda s: sample_hash(0, "e", 1, False, s))
+    first, smaller = by_hash[-1], by_hash[0]  # the largest hash, then one that pushes it out
+    assembler.add_call(hints(step=1, sample_index=first, rollout_n=0, done="1"), call(1.0))
+    assembler.add_call(hints(step=1, sample_index=smaller, rollout_n=0, done="1"), call(2.0))
+    assembler.add_call(hints(step=1, sample_index=first, rollout_n=0), call(3.0))  # refused
+    assembler.close_all()
+    gate.end_step("p", "e", False, 1)
+    kept = [t for t in out if isinstance(t, Trajectory)]
+    assert [t.key.sample_index for t in kept] == [smaller]
+    [summary] = [r for r in out if isinstance(r, StepSummary)]
+    assert (summary.trajectories_seen, summary.trajectories_kept,
+            summary.trajectories_dropped_by_sampler) == (2, 1, 1)  # fmt: skip
+    assert (summary.calls_seen, summary.calls_kept, summary.calls_dropped_by_sampler) == (3, 1, 2)
 
 
 async def test_an_exchange_past_the_byte_budget_leaves_a_mark_in_its_trajectory() -> None:

@@ -18,20 +18,26 @@ from trace_proxy.trajectories.sampler import sample_hash
 SAMPLES, ROLLOUTS, TURNS = 10, 2, 2
 
 
-async def rollouts(proxy: str, step: int, validate: bool = False) -> None:
+async def rollouts(
+    proxy: str, step: int, validate: bool = False, interleaved: bool = False
+) -> None:
+    """Each rollout's turns in a row; `interleaved`: every rollout's first turn, then every
+    second turn (as a batched agent loop sends them)."""
+    plan = [(sample, rollout, turn) for sample in range(SAMPLES) for rollout in range(ROLLOUTS)
+            for turn in range(TURNS)]  # fmt: skip
+    if interleaved:
+        plan.sort(key=lambda call: call[2])
     async with aiohttp.ClientSession() as session:
-        for sample in range(SAMPLES):
-            for rollout in range(ROLLOUTS):
-                headers = {"X-Rollout-Experiment": "exp", "X-Rollout-Step": str(step),
-                           "X-Rollout-Sample-Index": str(sample), "X-Rollout-N": str(rollout),
-                           "X-Rollout-Validate": str(validate).lower()}  # fmt: skip
-                for turn in range(TURNS):
-                    body = {"model": "tiny-qwen", "prompt": [sample, rollout, turn] * 8,
-                            "max_tokens": 3}  # fmt: skip
-                    async with session.post(
-                        proxy + "/v1/completions", json=body, headers=headers
-                    ) as response:
-                        assert response.status == 200
+        for sample, rollout, turn in plan:
+            headers = {"X-Rollout-Experiment": "exp", "X-Rollout-Step": str(step),
+                       "X-Rollout-Sample-Index": str(sample), "X-Rollout-N": str(rollout),
+                       "X-Rollout-Validate": str(validate).lower()}  # fmt: skip
+            body = {"model": "tiny-qwen", "prompt": [sample, rollout, turn] * 8,
+                    "max_tokens": 3}  # fmt: skip
+            async with session.post(
+                proxy + "/v1/completions", json=body, headers=headers
+            ) as response:
+                assert response.status == 200
 
 
 def summaries(output: Path) -> list[dict[str, Any]]:
@@ -69,6 +75,32 @@ async def test_top_n_keeps_the_smallest_hashes_with_all_their_rollouts(
     # Most dropped calls were refused from their headers, before their bodies were parsed.
     refused = metric(metrics, "trace_proxy_capture_dropped_total", reason="sampler")
     assert refused > 0
+
+
+@pytest.mark.parametrize("capture_mode", ["process", "inline"])
+async def test_interleaved_rollouts_are_each_counted_once(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path, capture_mode: str
+) -> None:
+    """A sample pushed out of the kept set after its first turns: its later turns are refused
+    as they arrive, its earlier turns dropped when its trajectory closes; the step summary
+    counts its trajectory once, as seen and as dropped."""
+    _, upstream = fake_vllm
+    settings = {"max_samples_per_step": 3, "sample_seed": 11, "capture_mode": capture_mode}
+    async with running_proxy([upstream], tmp_path, **settings) as (_, proxy):
+        await rollouts(proxy, step=1, interleaved=True)
+        await rollouts(proxy, step=2)
+    ranked = sorted(range(SAMPLES), key=lambda s: sample_hash(11, "exp", 1, False, s))
+    assert kept_samples(tmp_path, 1) == set(ranked[:3])
+    pushed_out = [s for s in range(SAMPLES) if s not in ranked[:3]
+                  and sorted(range(s + 1), key=lambda x: sample_hash(11, "exp", 1, False, x))
+                  .index(s) < 3]  # fmt: skip
+    assert pushed_out, "the seed should push a sample out after its first turn"
+    summary = next(s for s in summaries(tmp_path) if s["step"] == 1)
+    outcomes = ("seen", "kept", "dropped_by_sampler")
+    for what, per_rollout in (("trajectories", 1), ("calls", TURNS)):
+        counts = [summary[f"{what}_{outcome}"] for outcome in outcomes]
+        expected = [SAMPLES * ROLLOUTS, 3 * ROLLOUTS, (SAMPLES - 3) * ROLLOUTS]
+        assert counts == [n * per_rollout for n in expected], what
 
 
 async def test_rate_mode_and_a_separate_validation_policy(

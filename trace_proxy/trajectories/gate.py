@@ -34,6 +34,10 @@ def sample_of(key: RolloutKey) -> Any:
     return key.sample_hash if key.sample_hash is not None else key.trajectory_id
 
 
+def _rollout(key: RolloutKey) -> tuple[Any, Any]:
+    return (sample_of(key), key.rollout_n if key.trajectory_id is None else key.trajectory_id)
+
+
 def scope_of(key: RolloutKey) -> StepScope:
     return (key.project, key.experiment, bool(key.validate), key.step)
 
@@ -55,7 +59,11 @@ class SamplingGate:
         self._on_drop = on_drop
         self._summaries: OrderedDict[StepScope, StepSummary] = OrderedDict()
         self._waiting: OrderedDict[str, tuple[StepScope, Any, Trajectory]] = OrderedDict()
+        # Per step, with a number of samples kept: the rollouts counted as seen and dropped
+        # when a call of theirs was refused, and those a closed trajectory counted as seen.
+        # A rollout pushed out after its first turns has both, and counts once.
         self._refused: dict[StepScope, set[tuple[Any, Any]]] = {}
+        self._released: dict[StepScope, set[tuple[Any, Any]]] = {}
         self._exported = ExportedIndex()
         self._active = any(
             p.max_samples is not None or p.rate is not None
@@ -82,15 +90,13 @@ class SamplingGate:
         summary.calls_dropped_by_sampler += 1
         self._count("calls", "dropped_by_sampler", 1)
         refused = self._refused.setdefault(scope, set())
-        rollout = (
-            sample_of(key),
-            key.rollout_n if key.trajectory_id is None else key.trajectory_id,
-        )
+        rollout = _rollout(key)
         if rollout not in refused:
             refused.add(rollout)
-            summary.trajectories_seen += 1
+            if rollout not in self._released.get(scope, ()):
+                summary.trajectories_seen += 1
+                self._count("trajectories", "seen", 1)
             summary.trajectories_dropped_by_sampler += 1
-            self._count("trajectories", "seen", 1)
             self._count("trajectories", "dropped_by_sampler", 1)
         self._dropped("call", "sampler")
         return False
@@ -99,12 +105,15 @@ class SamplingGate:
         """A closed trajectory: exported, held until its step ends, or dropped."""
         key = trajectory.key
         scope = scope_of(key)
-        self._summary(scope).trajectories_seen += 1
-        self._count("trajectories", "seen", 1)
         policy = self._sampler.policy(bool(key.validate))
+        rollout = _rollout(key)
+        if rollout not in self._refused.get(scope, ()):
+            self._summary(scope).trajectories_seen += 1
+            self._count("trajectories", "seen", 1)
         if policy.max_samples is None:
             self._export(scope, trajectory)
             return
+        self._released.setdefault(scope, set()).add(rollout)
         sample = sample_of(key)
         if not self._sampler.is_candidate(key.experiment, key.step, bool(key.validate), sample):
             self._drop(scope, trajectory)
@@ -126,6 +135,7 @@ class SamplingGate:
             else:
                 self._drop(scope, trajectory)
         self._refused.pop(scope, None)
+        self._released.pop(scope, None)
         summary = self._summaries.pop(scope, None)
         if summary is not None:
             self._emit(summary)
@@ -200,9 +210,10 @@ class SamplingGate:
 
     def _drop(self, scope: StepScope, trajectory: Trajectory, reason: str = "sampler") -> None:
         summary = self._summary(scope)
-        summary.trajectories_dropped_by_sampler += 1
+        if _rollout(trajectory.key) not in self._refused.get(scope, ()):  # else counted then
+            summary.trajectories_dropped_by_sampler += 1
+            self._count("trajectories", "dropped_by_sampler", 1)
         summary.calls_dropped_by_sampler += len(trajectory.calls)
-        self._count("trajectories", "dropped_by_sampler", 1)
         self._dropped("trajectory", reason)
 
     def _count(self, what: str, outcome: str, n: int) -> None:
