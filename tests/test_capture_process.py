@@ -245,16 +245,15 @@ async def test_a_flush_right_after_submitting_waits_for_those_exchanges(
 
 
 async def sampled_rollouts(
-    output: Path, upstream: str, mode: str
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]], int | None]:
-    """Step 1: 8 samples of 3 turns, 2 kept; step 2 closes it. The records, the step
-    summaries, and (capture process) how many whole exchanges its last turn sent."""
-    last_turn_sent = None
+    output: Path, upstream: str, mode: str, policy: dict[str, Any]
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], list[int]]:
+    """Step 1: 8 samples of 3 turns; step 2 closes it. The records, the step summaries, and
+    (capture process) how many whole exchanges each turn sent."""
+    sent = []
     async with (
-        running_proxy([upstream], output, capture_mode=mode, max_samples_per_step=2) as (
-            service, proxy),
+        running_proxy([upstream], output, capture_mode=mode, **policy) as (service, proxy),
         aiohttp.ClientSession() as session,
-    ):  # fmt: skip
+    ):
         capture = service.recorder
         for turn in range(3):
             before = capture._sent if isinstance(capture, CaptureProcess) else 0
@@ -262,30 +261,42 @@ async def sampled_rollouts(
                 await chat(session, proxy, 1, sample, done=turn == 2)
             await service.flush()  # what the sampler refused so far is known to the proxy
             if isinstance(capture, CaptureProcess):
-                last_turn_sent = capture._sent - before
+                sent.append(capture._sent - before)
         await chat(session, proxy, 2, 0)
     summaries = [r for _, r in iter_records(output) if r.get("record") == "step_summary"]
-    return trajectories(output), summaries, last_turn_sent
+    return trajectories(output), summaries, sent
 
 
-async def test_later_calls_of_a_refused_sample_cross_as_heads_and_count_the_same(
-    fake_vllm: tuple[Any, str], tmp_path: Path
+@pytest.mark.parametrize(
+    ("policy", "bodies_sent"),
+    [
+        # Top-N: the capture process names a sample once it refuses it.
+        ({"max_samples_per_step": 2}, lambda kept, turn: kept if turn == 2 else None),
+        # A rate needs no state: the proxy applies it itself, from the first call.
+        ({"sample_rate": 0.5, "sample_seed": 5}, lambda kept, turn: kept),
+    ],
+)
+async def test_calls_of_a_refused_sample_cross_as_heads_and_count_the_same(
+    fake_vllm: tuple[Any, str], tmp_path: Path, policy: dict[str, Any], bodies_sent: Any
 ) -> None:
-    """Once the capture process has named a sample its sampler refuses (for good), the proxy
-    sends that sample's later calls without their bodies. What is recorded and counted is
-    what capture in the proxy's own process, which decides before keeping any body, gives."""
+    """The proxy sends the calls of a sample the sampler refuses (for good) without their
+    bodies. What is recorded and counted is what capture in the proxy's own process, which
+    decides before keeping any body, gives."""
     _, upstream = fake_vllm
-    records, summaries, last_turn_sent = await sampled_rollouts(
-        tmp_path / "process", upstream, "process"
+    records, summaries, sent = await sampled_rollouts(
+        tmp_path / "process", upstream, "process", policy
     )
     inline_records, inline_summaries, _ = await sampled_rollouts(
-        tmp_path / "inline", upstream, "inline"
+        tmp_path / "inline", upstream, "inline", policy
     )
     kept = sorted(t["key"]["sample_index"] for t in records if t["key"]["step"] == 1)
-    assert len(kept) == 2 and all(len(t["calls"]) == 3 for t in records if t["key"]["step"] == 1)
+    assert 0 < len(kept) < 8
+    assert all(len(t["calls"]) == 3 for t in records if t["key"]["step"] == 1)
     assert kept == sorted(t["key"]["sample_index"] for t in inline_records
                           if t["key"]["step"] == 1)  # fmt: skip
-    assert last_turn_sent == 2  # the other 6 calls: heads alone
+    for turn, count in enumerate(sent):
+        expected = bodies_sent(len(kept), turn)
+        assert expected is None or count == expected, (turn, sent)  # the others: heads alone
     step_one = [{k: v for k, v in r.items() if k != "time"} for r in summaries if r["step"] == 1]
     inline_step_one = [{k: v for k, v in r.items() if k != "time"} for r in inline_summaries
                        if r["step"] == 1]  # fmt: skip

@@ -105,3 +105,18 @@ def test_another_seed_gives_another_selection() -> None:
 def test_bad_policies(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Policy(**kwargs)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 9), st.floats(0, 1), st.integers(0, 500), st.booleans())
+def test_a_refusal_told_without_state_is_the_one_the_sampler_makes(
+    seed: int, rate: float, sample: int, validate: bool
+) -> None:
+    """What the proxy decides alone (a rate, or no sample kept) is what the capture process's
+    sampler decides; a top-N refusal is never told alone."""
+    for policy in (Policy(rate=rate), Policy(max_samples=0), Policy(max_samples=3)):
+        sampler = Sampler(seed, train=policy, validate=policy)
+        alone = sampler.refused("exp", 4, validate, sample)
+        assert sampler.refuses_alone == (policy.max_samples != 3)
+        fate, _ = Sampler(seed, train=policy, validate=policy).decide("exp", 4, validate, sample)
+        assert alone == (sampler.refuses_alone and fate is Fate.DROP)

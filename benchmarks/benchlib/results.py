@@ -38,10 +38,9 @@ LIMITS = """\
   event loop (`--capture-mode inline`, the design before the capture process): the two side by
   side are the measured effect of moving capture out.
 - **trace-proxy-sampled and trace-proxy-off** are separate trace-proxy processes keeping 10% of
-  the samples and none: the first call of a dropped sample crosses to the capture process,
-  which refuses it from its headers before parsing and names the sample to the proxy; later
-  calls of that sample cross as heads without bodies. trace-proxy-off is forwarding plus that
-  hand-over, the "tracing off" baseline.
+  the samples and none: a rate and keeping none need no state, so the proxy refuses a dropped
+  sample's calls from their headers and hands only their heads to the capture process, which
+  counts them. trace-proxy-off is forwarding plus that hand-over, the "tracing off" baseline.
 - **LiteLLM** (one uvicorn worker, logging off) re-serialises requests and responses; with
   these 1k-token-id prompts it spends 30-80 ms of CPU per request here (measured, not profiled:
   where it goes inside LiteLLM is not known). Its log shows it opening new HTTP client

@@ -10,7 +10,8 @@ Refused samples: the sampler's refusals are final (a sample it drops stays dropp
 step), so the child names each refused sample once (`refused`) and the forwarder, which
 resolves the same key hints from the same headers, sends the later calls of that sample as
 heads without bodies (`exchange.REFUSED` marks): the child counts them as before, and with
-10 samples of 1,000 kept, the bodies of nearly every call no longer cross the socket.
+10 samples of 1,000 kept, the bodies of nearly every call no longer cross the socket. A rate
+(or keeping no sample) needs no state: the forwarder applies it itself, from the first call.
 
 Backpressure: the child reads only while its own queue has room, so a backlog stays in the
 forwarder's socket buffer, which is bounded: past half of `--capture-queue-bytes` new
@@ -45,6 +46,7 @@ from trace_proxy.child import Helper, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.metrics import Metrics, RelayedMetrics
 from trace_proxy.trajectories.rewards import RewardError
+from trace_proxy.trajectories.sampler import sampler_of
 from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,8 @@ class CaptureProcess(Helper):
         self._pending_bytes = 0
         self._resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
         self._refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # as the child said
+        self._sampler = sampler_of(settings)  # for the refusals that need no state alone
+        self._refuses_alone = self._sampler.refuses_alone
 
     @property
     def backends(self) -> list[str]:
@@ -102,7 +106,7 @@ class CaptureProcess(Helper):
             self._metrics.capture_dropped.labels("capture_process_down").inc()
             return
         buffered = transport.get_write_buffer_size() + self._pending_bytes
-        if self._refused and self._refuses(exchange):
+        if (self._refused or self._refuses_alone) and self._refuses(exchange):
             if buffered < self._max_buffered + MARKS_BYTES:
                 self._queue(encode_exchange(dropped_mark(exchange, REFUSED)))
             else:  # counted where the child would have counted it
@@ -123,7 +127,13 @@ class CaptureProcess(Helper):
             return False
         hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
         sample = hints.sample()
-        return sample is not None and sample in self._refused
+        if sample is None:
+            return False
+        if sample in self._refused:
+            return True
+        _, experiment, step, validate, index = sample
+        experiment = self.settings.experiment if experiment is None else experiment
+        return self._sampler.refused(experiment, step, bool(validate), index)
 
     def _queue(self, frames: list[bytes]) -> None:
         """One write per loop iteration, not one per exchange: at 64 requests in flight a

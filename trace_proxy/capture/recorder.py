@@ -27,7 +27,7 @@ from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.rewards import parse_outcome
-from trace_proxy.trajectories.sampler import Policy, Sampler
+from trace_proxy.trajectories.sampler import sampler_of
 from trace_proxy.trajectories.token2text import Token2Text, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
 
@@ -57,13 +57,7 @@ class Recorder:
             on_close=lambda reason: metrics.trajectories_closed.labels(reason).inc(),
             inference=TrafficInference(on_evict=metrics.inference_evicted.inc),
             gate=SamplingGate(
-                Sampler(
-                    settings.sample_seed,
-                    train=Policy(settings.max_samples_per_step, settings.sample_rate),
-                    validate=Policy(
-                        settings.validate_max_samples_per_step, settings.validate_sample_rate
-                    ),
-                ),
+                sampler_of(settings),
                 self.pipeline.submit,
                 on_drop=lambda what, why: metrics.sampler_dropped.labels(what, why).inc(),
                 on_count=lambda what, outcome, n: metrics.sampled.labels(what, outcome).inc(n),

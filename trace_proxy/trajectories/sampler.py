@@ -21,7 +21,10 @@ import hashlib
 import heapq
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from trace_proxy.config import Settings
 
 HASH_SPACE = float(1 << 64)
 
@@ -101,6 +104,22 @@ class Sampler:
         state.members.add(name)
         return Fate.CANDIDATE, [evicted]
 
+    @property
+    def refuses_alone(self) -> bool:
+        """Does a policy refuse samples without state (a rate, or none kept)? Then any
+        process with the same settings can tell those refusals itself (`refused`)."""
+        return any(p.rate is not None or p.max_samples == 0 for p in self._policies.values())
+
+    def refused(self, experiment: str, step: int | None, validate: bool, sample: Any) -> bool:
+        """Dropped whatever else arrives, decided without state: the rate says so, or the
+        policy keeps no sample. (A top-N refusal depends on the samples seen before.)"""
+        policy = self._policies[validate]
+        if policy.max_samples == 0:
+            return True
+        if policy.rate is None:
+            return False
+        return sample_hash(self.seed, experiment, step, validate, sample) >= policy.rate
+
     def is_candidate(self, experiment: str, step: int | None, validate: bool, sample: Any) -> bool:
         state = self._steps.get((experiment, step, validate))
         return state is not None and str(sample) in state.members
@@ -109,3 +128,12 @@ class Sampler:
         """The step is over: its candidates are kept. Returns them, and forgets the step."""
         state = self._steps.pop((experiment, step, validate), None)
         return set(state.members) if state is not None else set()
+
+
+def sampler_of(settings: Settings) -> Sampler:
+    """The sampler the settings describe (training and validation policies)."""
+    return Sampler(
+        settings.sample_seed,
+        train=Policy(settings.max_samples_per_step, settings.sample_rate),
+        validate=Policy(settings.validate_max_samples_per_step, settings.validate_sample_rate),
+    )
