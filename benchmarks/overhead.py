@@ -527,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 OTHER_SECTIONS = (
+    "\n## Between runs (by hand)",
     "\n## token2text decode throughput",
     "\n## Stored volume per trajectory",
     "\n## Export backends",

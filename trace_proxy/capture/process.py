@@ -122,7 +122,8 @@ class CaptureProcess(Helper):
         self._sent += 1
 
     def _refuses(self, exchange: Exchange) -> bool:
-        """A generate call of a sample the child said the sampler refuses."""
+        """A generate call of a sample the sampler refuses: as the child said, or by a
+        policy that needs no state (a rate, or no sample kept)."""
         if classify(exchange.method, exchange.path) is not RouteKind.GENERATE:
             return False
         hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
