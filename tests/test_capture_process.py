@@ -436,11 +436,9 @@ async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
     assert trajectory["close_reason"] == "shutdown"
 
 
-async def test_capture_priority_low_lets_forwarding_have_the_cores_first(tmp_path: Path) -> None:
-    async with running_proxy(["http://127.0.0.1:9"], tmp_path, capture_priority="low") as (
-        service,
-        _,
-    ):
+async def test_the_capture_process_lets_forwarding_have_the_cores_first(tmp_path: Path) -> None:
+    """By default (`--capture-priority low`): nice 19 against the forwarder."""
+    async with running_proxy(["http://127.0.0.1:9"], tmp_path) as (service, _):
         capture = service.recorder
         assert isinstance(capture, CaptureProcess) and capture.pid is not None
         ours = os.getpriority(os.PRIO_PROCESS, 0)

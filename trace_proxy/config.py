@@ -315,11 +315,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("capture_mode", parse_process_mode, "process", "parse and assemble in a process of "
            "their own (process), so forwarding never waits behind a long prompt's parsing, or "
            "in the proxy's (inline)", metavar="MODE", commands=("serve", "demo")),
-    Option("capture_priority", parse_priority, "normal", "CPU priority of the capture "
-           "process: normal (recording keeps up while the cores are saturated, at some cost to "
-           "forwarding latency), low (nice 19: forwarding first; on saturated cores the backlog "
-           "grows to --capture-queue-bytes, then exchanges are counted as dropped) or idle",
-           metavar="PRIORITY", commands=("serve", "demo")),
+    Option("capture_priority", parse_priority, "low", "CPU priority of the capture "
+           "process: low (nice 19: forwarding has the cores first; while they are saturated "
+           "the backlog grows to --capture-queue-bytes, then exchanges are counted as dropped), "
+           "normal (recording keeps up on saturated cores, at a cost to forwarding's latency "
+           "and throughput) or idle", metavar="PRIORITY", commands=("serve", "demo")),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed (inline: before "
            "new ones are counted as dropped; in the capture process: before it stops reading)",
            metavar="N"),
@@ -386,7 +386,7 @@ class Settings:
     trackio_dir: Path | None = None
     weave_entity: str | None = None
     capture_mode: str = "process"
-    capture_priority: str = "normal"
+    capture_priority: str = "low"
     capture_queue: int = 10000
     capture_queue_bytes: int = 512 << 20
     spool_dir: Path | None = None

@@ -28,12 +28,13 @@ LIMITS = """\
 - **At concurrency 64 latency is mostly queueing** (≈ 64 / throughput, Little's law): the added
   p50 there follows from the lower throughput rather than from extra work per request.
 - **trace-proxy records after the response**: once the client has its answer, the forwarding
-  process writes the exchange's raw bytes to its capture process, which parses and assembles
-  it; closed trajectories are appended to the spool by a writer thread there, and the export
-  process (its own interpreter, under SCHED_IDLE) writes the jsonl store from the spool. The
-  benchmark charges all of it to trace-proxy (its CPU and memory include every process under
-  it) and waits for the backlog to drain before the next cell, so it does not slow the next
-  system; the drain time is reported in the checks.
+  process writes the exchange's raw bytes to its capture process (at nice 19, so forwarding
+  has the cores first), which parses and assembles it; closed trajectories are appended to
+  the spool by a writer thread there, and the export process (its own interpreter, under
+  SCHED_IDLE) writes the jsonl store from the spool. The benchmark charges all of it to
+  trace-proxy (its CPU and memory include every process under it) and waits for the backlog
+  to drain before the next cell, so it does not slow the next system; the drain time is
+  reported in the checks.
 - **trace-proxy-inline** is the same, with parsing and assembling on the forwarding process's
   event loop (`--capture-mode inline`, the design before the capture process): the two side by
   side are the measured effect of moving capture out.
