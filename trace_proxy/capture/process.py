@@ -196,10 +196,7 @@ class CaptureProcess(Helper):
             self._received = message["received"]
             self._held = message["held"]
         elif op == "refused":
-            refused = self._refused
-            refused[tuple(message["sample"])] = None
-            if len(refused) > REFUSED_SAMPLES:
-                refused.popitem(last=False)
+            _remember(self._refused, tuple(message["sample"]))
         elif op in ("annotated", "flushed"):
             future = self._answers.pop(message["id"], None)
             if future is not None and not future.done():
@@ -226,6 +223,13 @@ class CaptureProcess(Helper):
             if not future.done():
                 future.set_exception(RuntimeError(why))
         self._answers.clear()
+
+
+def _remember(samples: OrderedDict[tuple[Any, ...], None], sample: tuple[Any, ...]) -> None:
+    """Add a refused sample; the oldest go past REFUSED_SAMPLES."""
+    samples[sample] = None
+    if len(samples) > REFUSED_SAMPLES:
+        samples.popitem(last=False)
 
 
 # --- the child's side ----------------------------------------------------------------------
@@ -268,9 +272,7 @@ class _Child:
         sample = hints.sample()
         if sample is None or sample in self.refused:
             return
-        self.refused[sample] = None
-        if len(self.refused) > REFUSED_SAMPLES:
-            self.refused.popitem(last=False)
+        _remember(self.refused, sample)
         self.send({"op": "refused", "sample": sample})
 
     async def run(self) -> float:
