@@ -66,7 +66,10 @@ VARIANTS = {
     INLINE: ["--capture-mode", "inline"],
 }
 SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, INLINE, NGINX, LITELLM)
-MODES = ("json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s", "sse@1700/s")
+MODES = (
+    "json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s", "sse@1700/s",
+    "json-500ms", "sse-250ms",
+)  # fmt: skip
 OPEN_LOOP_IN_FLIGHT = 512  # an open-loop cell's cap on requests in flight
 DRAIN_TIMEOUT = 120.0
 SETTLE_TIMEOUT = 60.0
@@ -113,7 +116,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         type=_modes,
         default=list(MODES),
         help="json (plain responses) or sse (streamed), with -8k or -32k for longer prompts\n"
-        "(1k ids otherwise) and @RATE/s for an open loop at that fixed request rate\n"
+        "(1k ids otherwise), -LATENCY (-500ms) for an upstream whose generation time is\n"
+        "lognormal around that median (run at the concurrencies of 64 and more), and\n"
+        "@RATE/s for an open loop at that fixed request rate\n"
         f"(at most {OPEN_LOOP_IN_FLIGHT} in flight) [{','.join(MODES)}]",
     )
     add(
@@ -241,18 +246,20 @@ def run_load(
     args: argparse.Namespace, url: str, mode: str, concurrency: int, step: int
 ) -> dict[str, Any]:
     """One load-generator process; its JSON summary."""
+    spec = parse_mode(mode)
     argv = [sys.executable, "-m", "benchlib.loadgen", "--url", url,
-            "--concurrency", str(concurrency), "--warmup", str(args.warmup),
+            "--concurrency", str(concurrency), "--warmup", str(_warmup(args, mode)),
             "--duration", str(args.duration), "--max-requests", str(args.requests),
             "--turns", str(args.turns), "--step", str(step), "--seed", str(args.seed),
             "--think", str(args.think_ms / 1000)]  # fmt: skip
-    spec = parse_mode(mode)
     argv += ["--prompt-tokens", str(spec.prompt_tokens), "--timeout", str(LOAD_TIMEOUT)]
     if spec.stream:
         argv.append("--stream")
     if spec.rate is not None:
         argv += ["--rate", str(spec.rate)]
-    timeout = args.warmup + args.duration + LOAD_TIMEOUT + 60
+    if spec.latency_ms is not None:
+        argv += ["--latency-ms", str(spec.latency_ms)]
+    timeout = _warmup(args, mode) + args.duration + LOAD_TIMEOUT + 60
     result = subprocess.run(
         argv, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=BENCH_DIR
     )
@@ -260,6 +267,13 @@ def run_load(
         raise BenchError(f"load generator failed ({result.returncode}):\n{result.stderr[-2000:]}")
     summary: dict[str, Any] = json.loads(result.stdout.strip().splitlines()[-1])
     return summary
+
+
+def _warmup(args: argparse.Namespace, mode: str) -> float:
+    """A slow upstream needs a few of its calls before the load is steady: all workers
+    start together, so the first answers come in a wave."""
+    latency = parse_mode(mode).latency_ms
+    return args.warmup if latency is None else max(args.warmup, 4 * latency / 1000)
 
 
 def run_cell(
@@ -349,18 +363,31 @@ def run_rounds(args: argparse.Namespace, running: Running) -> tuple[list[Cell], 
 
 
 def _loads(args: argparse.Namespace, mode: str) -> list[int]:
-    """Closed-loop modes run at each concurrency; an open-loop one once, under its cap."""
-    return [OPEN_LOOP_IN_FLIGHT] if parse_mode(mode).rate is not None else args.concurrency
+    """Closed-loop modes run at each concurrency; an open-loop one once, under its cap. With a
+    slow upstream, concurrency 1 measures a few calls a second: those modes run at 64 and more
+    (RL rollouts keep hundreds of calls in flight)."""
+    spec = parse_mode(mode)
+    if spec.rate is not None:
+        return [OPEN_LOOP_IN_FLIGHT]
+    if spec.latency_ms is not None:
+        return [c for c in args.concurrency if c >= 64] or args.concurrency
+    return list(args.concurrency)
 
 
 def _runs_in(system: str, mode: str, concurrency: int) -> bool:
     """LiteLLM runs only where it can answer: with 64+ requests in flight, long prompts or an
     open loop it completes none within the 30 s request timeout, and the requests it queued
-    keep a core busy for minutes afterwards, which would land in the next systems' cells."""
+    keep a core busy for minutes afterwards, which would land in the next systems' cells.
+    Nor with a slow upstream: it re-creates requests, so the upstream is not asked to wait."""
     if system != LITELLM:
         return True
     spec = parse_mode(mode)
-    return spec.rate is None and spec.prompt_tokens == PROMPT_TOKENS and concurrency <= 64
+    return (
+        spec.rate is None
+        and spec.latency_ms is None
+        and spec.prompt_tokens == PROMPT_TOKENS
+        and concurrency <= 64
+    )
 
 
 def run_slot(
@@ -421,6 +448,7 @@ def finish(
     Also returns facts worth reporting that are not pass/fail (peak memory)."""
     checks = Checks()
     check.check_bodies(cells, checks)
+    check.check_waits(cells, checks)
     stats = _upstream_stats(running.urls[DIRECT])
     check.check_upstream(stats, cells, checks)
     facts = [

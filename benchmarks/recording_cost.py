@@ -103,6 +103,10 @@ def run_once(
                 "--rollouts", str(args.rollouts)]  # fmt: skip
         if mode.stream:
             argv.append("--stream")
+        if mode.rate is not None:
+            argv += ["--rate", str(mode.rate)]
+        if mode.latency_ms is not None:
+            argv += ["--latency-ms", str(mode.latency_ms)]
         done = subprocess.run(argv, cwd=BENCH_DIR, env=child_env(), capture_output=True,
                               text=True, timeout=args.duration + 120)  # fmt: skip
         if done.returncode != 0:

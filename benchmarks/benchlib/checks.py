@@ -9,6 +9,7 @@ from pathlib import Path
 
 from benchlib.recording import StoreReport, total
 from benchlib.report import DIRECT, Cell, Checks
+from benchlib.workload import parse_mode
 
 TRACE_PROXY = "trace-proxy"
 UNRECORDED = "trace-proxy-unrecorded"
@@ -51,6 +52,23 @@ def check_bodies(cells: list[Cell], checks: Checks) -> None:
         )
         ok = not (mismatched or not_ok or failed or digests_differ)
         checks.add(f"bodies {system}", ok, detail)
+
+
+def check_waits(cells: list[Cell], checks: Checks) -> None:
+    """With a slow upstream (`-500ms` modes), every measured answer said how long the upstream
+    waited, so every added latency is measured, none guessed."""
+    slow = [c for c in cells if parse_mode(c.mode).latency_ms is not None]
+    if not slow:
+        return
+    unwaited = sum(int(c.load["unwaited"]) for c in slow)
+    measured = sum(int(c.load["measured"]) for c in slow)
+    overheads = sum(int(c.load["overheads"]) for c in slow)
+    checks.add(
+        "upstream waits",
+        unwaited == 0 and overheads == measured,
+        f"{overheads} of {measured} measured answers in the slow-upstream cells said how long the "
+        f"upstream waited; {unwaited} did not",
+    )
 
 
 def check_store(store: StoreReport, cells: list[Cell], checks: Checks) -> None:

@@ -12,6 +12,12 @@ takes the next turn of a trajectory whose previous turn has finished, else start
 Latency counts from the scheduled start, so a system that falls behind is charged for the
 queueing it causes (no coordinated omission). At most `concurrency` requests are in flight;
 an arrival beyond that is counted as missed.
+
+With `--latency-ms M`, each call asks the upstream to take a generation time drawn from a
+lognormal distribution around M (the same for the same call through every system), and the
+upstream says how long it waited; a call's *overhead* is its latency minus that wait: what the
+transport and any proxy in between added, measured call by call rather than as a difference of
+two noisy percentiles.
 """
 
 from __future__ import annotations
@@ -34,7 +40,16 @@ from typing import Any
 import aiohttp
 
 from benchlib.aio import run
-from benchlib.workload import PROMPT_TOKENS, Turn, build_turns, rollout_headers
+from benchlib.workload import (
+    DELAY_HEADER,
+    LATENCY_SIGMA,
+    PROMPT_TOKENS,
+    WAITED_HEADER,
+    Turn,
+    build_turns,
+    generation_delay_us,
+    rollout_headers,
+)
 
 
 @dataclass(frozen=True)
@@ -53,10 +68,18 @@ class LoadSpec:
     prompt_tokens: int = PROMPT_TOKENS
     rate: float | None = None  # open loop: requests per second
     rollouts: int = 1  # trajectories per sample index (GRPO), consecutive ones sharing it
+    latency_ms: float | None = None  # median generation time the upstream is asked to take
+    latency_sigma: float = LATENCY_SIGMA
 
     def headers(self, trajectory: int, turn: int, turns: int) -> dict[str, str]:
         sample, rollout = divmod(trajectory, self.rollouts)
-        return rollout_headers(self.step, sample, done=turn == turns - 1, rollout=rollout)
+        headers = rollout_headers(self.step, sample, done=turn == turns - 1, rollout=rollout)
+        if self.latency_ms is not None:
+            delay = generation_delay_us(
+                self.latency_ms, self.latency_sigma, self.seed, trajectory, turn
+            )
+            headers[DELAY_HEADER] = str(delay)
+        return headers
 
 
 @dataclass
@@ -70,6 +93,9 @@ class Tally:
     latencies: list[float] = field(default_factory=list)
     first_bytes: list[float] = field(default_factory=list)  # send to first body bytes
     gaps: list[float] = field(default_factory=list)  # between body reads of one response
+    overheads: list[float] = field(default_factory=list)  # latency minus the upstream's wait
+    first_byte_overheads: list[float] = field(default_factory=list)
+    unwaited: int = 0  # measured answers to a delayed request that did not say their wait
     sent: int = 0
     warmed: int = 0
     trajectories: int = 0
@@ -87,9 +113,16 @@ class Tally:
             self.stopped = True
         return not self.stopped
 
-    def measure(self, start: float, end: float, arrivals: list[float] | None = None) -> None:
-        """Keep the latency of a request that completed inside the window. The warm-up is
-        bounded by the same count as the window: it ends early after `max_measured` requests."""
+    def measure(
+        self,
+        start: float,
+        end: float,
+        arrivals: list[float] | None = None,
+        waited: float | None = None,
+    ) -> None:
+        """Keep the latency of a request that completed inside the window (and, when the
+        upstream said how long it waited, the overhead). The warm-up is bounded by the same
+        count as the window: it ends early after `max_measured` requests."""
         if end < self.warm_end:
             self.warmed += 1
             if self.warmed >= self.max_measured:
@@ -101,6 +134,10 @@ class Tally:
             if arrivals:
                 self.first_bytes.append(arrivals[0] - start)
                 self.gaps.extend(b - a for a, b in itertools.pairwise(arrivals))
+            if waited is not None:
+                self.overheads.append(end - start - waited)
+                if arrivals:
+                    self.first_byte_overheads.append(arrivals[0] - start - waited)
             if len(self.latencies) == self.max_measured:
                 self.measure_end = end
                 self.stopped = True
@@ -126,6 +163,7 @@ async def _request(
                 parts.append(chunk)
             body = b"".join(parts)
             status = response.status
+            waited = response.headers.get(WAITED_HEADER)
     except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
         tally.errors[f"{type(exc).__name__}: {exc}"[:120]] += 1
         await asyncio.sleep(0.01)  # an unreachable target must not become a hot loop
@@ -138,7 +176,9 @@ async def _request(
         tally.mismatch_sample = (
             tally.mismatch_sample or f"turn {index}, status {status}: {body[:200]!r}"
         )
-    tally.measure(start, end, arrivals)
+    if waited is None and DELAY_HEADER in headers:
+        tally.unwaited += 1
+    tally.measure(start, end, arrivals, None if waited is None else int(waited) / 1e6)
 
 
 async def _worker(
@@ -236,6 +276,8 @@ def _summary(tally: Tally, cpu: float, elapsed: float) -> dict[str, Any]:
     latencies = sorted(tally.latencies)
     window = tally.measure_end - tally.warm_end
     ms = [v * 1000 for v in latencies]
+    overheads = sorted(v * 1000 for v in tally.overheads)
+    first_byte_overheads = sorted(v * 1000 for v in tally.first_byte_overheads)
     return {
         "measured": len(latencies),
         "window_s": window,
@@ -248,6 +290,12 @@ def _summary(tally: Tally, cpu: float, elapsed: float) -> dict[str, Any]:
         "first_byte_p99_ms": percentile(sorted(v * 1000 for v in tally.first_bytes), 99),
         "gap_p99_ms": percentile(sorted(v * 1000 for v in tally.gaps), 99),
         "gaps": len(tally.gaps),
+        "overhead_p50_ms": percentile(overheads, 50),
+        "overhead_p99_ms": percentile(overheads, 99),
+        "overheads": len(overheads),
+        "first_byte_overhead_p50_ms": percentile(first_byte_overheads, 50),
+        "first_byte_overhead_p99_ms": percentile(first_byte_overheads, 99),
+        "unwaited": tally.unwaited,
         "mean_ms": sum(ms) / len(ms) if ms else math.nan,
         "sent": tally.sent,
         "trajectories": tally.trajectories,
@@ -278,6 +326,10 @@ def parse_spec(argv: list[str]) -> LoadSpec:
     parser.add_argument("--prompt-tokens", type=int, default=PROMPT_TOKENS)
     parser.add_argument("--rate", type=float, default=None, help="open loop: requests/s")
     parser.add_argument("--rollouts", type=int, default=1, help="trajectories per sample index")
+    parser.add_argument(
+        "--latency-ms", type=float, default=None, help="median generation time of the upstream"
+    )
+    parser.add_argument("--latency-sigma", type=float, default=LATENCY_SIGMA)
     return LoadSpec(**vars(parser.parse_args(argv)))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from benchlib.report import Row
+from benchlib.workload import parse_mode
 
 COLORS = {"direct": "black", "trace-proxy": "tab:blue", "trace-proxy-unrecorded": "tab:cyan",
           "nginx": "tab:green", "litellm": "tab:red"}  # fmt: skip
@@ -28,17 +29,21 @@ def overhead_plots(rows: list[Row], directory: Path) -> list[Path]:
     latency = directory / "overhead-latency.png"
     figure, axes = plt.subplots(1, len(modes), figsize=(6 * len(modes), 4.5), squeeze=False)
     for axis, mode in zip(axes[0], modes, strict=True):
+        # With a slow upstream its wait would hide the proxies: plot what is left of it.
+        slow = parse_mode(mode).latency_ms is not None
         for system in systems:
             mine = sorted((r for r in rows if r.mode == mode and r.system == system),
                           key=lambda r: r.concurrency)  # fmt: skip
             x = [r.concurrency for r in mine]
             color = COLORS.get(system)
-            axis.plot(x, [r.p50 for r in mine], "o-", color=color, label=f"{system} p50")
-            axis.plot(x, [r.p99 for r in mine], "s--", color=color, label=f"{system} p99")
+            p50 = [r.overhead_p50 if slow else r.p50 for r in mine]
+            p99 = [r.overhead_p99 if slow else r.p99 for r in mine]
+            axis.plot(x, p50, "o-", color=color, label=f"{system} p50")
+            axis.plot(x, p99, "s--", color=color, label=f"{system} p99")
         axis.set_xscale("log", base=2)
         axis.set_yscale("log")
         axis.set_xlabel("concurrency (closed loop)")
-        axis.set_ylabel("latency per request, ms")
+        axis.set_ylabel("latency minus the upstream's wait, ms" if slow else "latency, ms")
         axis.set_title(f"{mode}: latency percentiles")
         axis.legend(fontsize=7)
     figure.tight_layout()

@@ -13,6 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from benchlib.workload import parse_mode
+
 DIRECT = "direct"
 
 
@@ -60,6 +62,9 @@ class Row:
     rps_ratio: float | None
     cpu_us: float | None
     rps_range: tuple[float, float] = (math.nan, math.nan)
+    # Slow-upstream modes: latency minus the upstream's own wait, median across rounds.
+    overhead_p50: float | None = None
+    overhead_p99: float | None = None
 
 
 @dataclass
@@ -114,6 +119,10 @@ def _row(
 ) -> Row:
     rps = [c.load["rps"] for c in mine]
     baseline = system != DIRECT
+    # With a slow upstream, what a call cost beyond the upstream's own wait is known call by
+    # call; its percentiles compare systems without the spread of the generation times.
+    slow = parse_mode(mode).latency_ms is not None
+    p50, p99 = ("overhead_p50_ms", "overhead_p99_ms") if slow else ("p50_ms", "p99_ms")
     return Row(
         mode=mode,
         concurrency=concurrency,
@@ -121,15 +130,17 @@ def _row(
         p50=_median(c.load["p50_ms"] for c in mine) or math.nan,
         p99=_median(c.load["p99_ms"] for c in mine) or math.nan,
         rps=_median(rps) or math.nan,
-        added_p50=_paired(mine, direct, lambda c, d: c.load["p50_ms"] - d.load["p50_ms"])
+        added_p50=_paired(mine, direct, lambda c, d: c.load[p50] - d.load[p50])
         if baseline
         else None,
-        added_p99=_paired(mine, direct, lambda c, d: c.load["p99_ms"] - d.load["p99_ms"])
+        added_p99=_paired(mine, direct, lambda c, d: c.load[p99] - d.load[p99])
         if baseline
         else None,
         rps_ratio=_paired(mine, direct, _ratio) if baseline else None,
         cpu_us=_median(c.cpu_us_per_request for c in mine),
         rps_range=(min(rps), max(rps)),
+        overhead_p50=_median(c.load["overhead_p50_ms"] for c in mine) if slow else None,
+        overhead_p99=_median(c.load["overhead_p99_ms"] for c in mine) if slow else None,
     )
 
 

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from datetime import datetime
 from functools import partial
 
 from benchlib.report import DIRECT, Cell, Checks, Row, results_table, rounds_table
-from benchlib.workload import OUTPUT_TOKENS, TOOL_TOKENS, build_turns, parse_mode
+from benchlib.workload import LATENCY_SIGMA, OUTPUT_TOKENS, TOOL_TOKENS, build_turns, parse_mode
 
 LIMITS = """\
 - **Everything shares 2 cores.** The load generator (one Python/aiohttp process), the upstream
@@ -22,6 +23,14 @@ LIMITS = """\
 - **The load generator is Python.** Its CPU use is in the per-cell table; at concurrency 64 it
   is close to a full core, so direct's throughput is a client-bound figure, not the upstream's
   capacity.
+- **The slow-upstream modes (`-500ms`, `-250ms`) are the rollout's shape**: hundreds of calls
+  in flight, each waiting on a generation, so the request rate is what the upstream allows and
+  the machine is not saturated by the load generator. There the added latency is what a
+  rollout feels; it is measured call by call (latency minus the upstream's reported wait), so
+  the spread of generation times does not blur it. At 512 in flight the rates are still high
+  for one RL server (hundreds to a few thousand calls per second with these medians; real
+  generations take seconds), and on these 2 shared cores the proxy's CPU then competes with
+  the load generator's and the upstream's.
 - **Concurrency 1 is a loopback round trip through Python event loops.** The added latency is
   the per-hop cost of the proxy; a real vLLM call takes from tens of milliseconds to minutes, so
   compare the added milliseconds with that, not with the sub-millisecond direct latency here.
@@ -131,6 +140,18 @@ def _workload(args: argparse.Namespace) -> str:
             "which echo the prompt's ids)"
         )
     rates = [f"{mode.rate:g}" for mode in modes if mode.rate is not None]
+    slow = [mode.name for mode in modes if mode.latency_ms is not None]
+    slow_upstream = (
+        f"; slow-upstream modes ({', '.join(f'`{name}`' for name in slow)}): each call asks the "
+        f"upstream to take a generation time (for a stream, the time to its first event) drawn "
+        f"from a lognormal distribution with that median and sigma {LATENCY_SIGMA:g} (p99 "
+        f"{math.exp(2.326 * LATENCY_SIGMA):.1f}x the median), the same for the same call through "
+        f"every system, run at the concurrencies of 64 and more after a warm-up of 4 medians; "
+        f"their added latency is computed from each call's latency minus the wait the upstream "
+        f"reports"
+        if slow
+        else ""
+    )
     open_loop = (
         f"; open loop (`@RATE/s` modes) at {', '.join(rates)} requests/s, latency counted from "
         "each request's scheduled start, at most 512 in flight"
@@ -147,6 +168,7 @@ def _workload(args: argparse.Namespace) -> str:
         f"{', '.join(map(str, args.concurrency))}"
         + (f" with a {args.think_ms:g} ms pause after each response" if args.think_ms else "")
         + open_loop
+        + slow_upstream
         + f"; {args.warmup:g} s warm-up and "
         f"{args.duration:g} s measured per cell; {args.rounds} rounds, system order rotated "
         f"each round; a cell during which other processes used more than "
@@ -233,24 +255,36 @@ def _where(row: Row) -> str:
 
 
 def _streaming_targets(cells: list[Cell]) -> list[tuple[str, bool, str]]:
+    """Streams at a set aggregate rate: opened at a fixed rate, or kept 512 in flight against
+    a slow upstream (its time to the first event taken out, call by call)."""
     judged = []
-    for mode in sorted({c.mode for c in cells if parse_mode(c.mode).stream}):
-        if parse_mode(mode).rate is None:
+    for mode, concurrency in sorted({(c.mode, c.concurrency) for c in cells}):
+        spec = parse_mode(mode)
+        if not spec.stream or (
+            spec.rate is None and (spec.latency_ms is None or concurrency < 512)
+        ):
             continue
-        mine = [c for c in cells if c.mode == mode]
+        mine = [c for c in cells if (c.mode, c.concurrency) == (mode, concurrency)]
 
         median = partial(_load_median, mine)
-
-        first, gap = median("trace-proxy", "first_byte_p50_ms"), median("trace-proxy", "gap_p99_ms")
-        direct_first, direct_gap = median(DIRECT, "first_byte_p50_ms"), median(DIRECT, "gap_p99_ms")
+        first_byte = _first_byte_figure(mode)
+        first, gap = median("trace-proxy", first_byte), median("trace-proxy", "gap_p99_ms")
+        direct_first, direct_gap = median(DIRECT, first_byte), median(DIRECT, "gap_p99_ms")
         if None in (first, gap, direct_first, direct_gap):
             continue
         assert first is not None and gap is not None
         assert direct_first is not None and direct_gap is not None
         added_first, added_gap = first - direct_first, gap - direct_gap
-        judged.append((mode, added_first <= 1.0 and added_gap <= 0.5,
+        where = mode if spec.rate is not None else f"{mode} c={concurrency}"
+        judged.append((where, added_first <= 1.0 and added_gap <= 0.5,
                        f"{added_first:+.2f}/{added_gap:+.2f} ms"))  # fmt: skip
     return judged
+
+
+def _first_byte_figure(mode: str) -> str:
+    """The first byte's time from sending, less the upstream's wait when it was asked to."""
+    slow = parse_mode(mode).latency_ms is not None
+    return "first_byte_overhead_p50_ms" if slow else "first_byte_p50_ms"
 
 
 def _load_median(cells: list[Cell], system: str, what: str) -> float | None:
@@ -332,18 +366,21 @@ def _streaming(cells: list[Cell]) -> list[str]:
         mine = [c for c in cells if c.mode == mode and c.concurrency == concurrency]
 
         median = partial(_load_median, mine)
-
-        direct_first, direct_gap = median(DIRECT, "first_byte_p50_ms"), median(DIRECT, "gap_p99_ms")
+        first_byte = _first_byte_figure(mode)
+        direct_first, direct_gap = median(DIRECT, first_byte), median(DIRECT, "gap_p99_ms")
         if direct_first is None or direct_gap is None:
             continue
         said = []
         for system in dict.fromkeys(c.system for c in mine if c.system != DIRECT):
-            first, gap = median(system, "first_byte_p50_ms"), median(system, "gap_p99_ms")
+            first, gap = median(system, first_byte), median(system, "gap_p99_ms")
             if first is not None and gap is not None:
                 said.append(f"{system} adds {first - direct_first:+.3f} ms to the first byte "
                             f"(p50) and {gap - direct_gap:+.3f} ms to the p99 gap")  # fmt: skip
         parsed = parse_mode(mode)
-        if parsed.rate is None:
+        if parsed.rate is None and parsed.latency_ms is not None:
+            load = (f"{mode}, concurrency {concurrency}, the upstream's wait before the first "
+                    "event taken out of the first byte's time")  # fmt: skip
+        elif parsed.rate is None:
             load = f"{mode}, concurrency {concurrency}"
         else:
             events = len(build_turns(1, stream=True, seed=0, prompt_tokens=parsed.prompt_tokens)[0]

@@ -7,6 +7,10 @@ answer by exact bytes, so an altered request body is caught here (HTTP 400, coun
 (LiteLLM) is answered by the request's meaning instead (its prompt and stream flag), and
 counted apart (`reserialized`). Keeping the upstream this cheap makes the
 proxies, not the upstream, the thing being measured.
+
+A request with `X-Bench-Delay-Us` is answered that many microseconds later (a generation time;
+for a stream, the time to its first event), and the answer says in `X-Bench-Waited-Us` how
+long the upstream really waited.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -23,11 +28,13 @@ from aiohttp import web
 from benchlib.aio import run
 from benchlib.workload import (
     CREATED,
+    DELAY_HEADER,
     JSON_TYPE,
     MODEL,
     PATH,
     PROMPT_TOKENS,
     UNRECORDED_PATH,
+    WAITED_HEADER,
     Turn,
     build_turns,
 )
@@ -64,9 +71,13 @@ def make_handler(turns: list[Turn], stats: dict[str, int], pace: float = 0.0) ->
             return web.Response(
                 status=400, body=orjson.dumps(error), headers={"Content-Type": JSON_TYPE}
             )
+        headers = {"Content-Type": turn.content_type}
+        delay = request.headers.get(DELAY_HEADER)
+        if delay is not None:
+            headers[WAITED_HEADER] = str(await _wait(delay))
         if len(turn.chunks) == 1:
-            return web.Response(body=turn.chunks[0], headers={"Content-Type": turn.content_type})
-        return await _stream(request, turn, pace)
+            return web.Response(body=turn.chunks[0], headers=headers)
+        return await _stream(request, turn, pace, headers)
 
     return handle
 
@@ -83,10 +94,19 @@ def _by_meaning(by_meaning: dict[tuple[Any, ...], Turn], body: bytes) -> Turn | 
     return by_meaning.get(_meaning(request)) if isinstance(request, dict) else None
 
 
-async def _stream(request: web.BaseRequest, turn: Turn, pace: float) -> web.StreamResponse:
+async def _wait(delay: str) -> int:
+    """Take the generation time the load generator asked for; how long it took (µs)."""
+    start = time.perf_counter()
+    await asyncio.sleep(int(delay) / 1e6)
+    return round((time.perf_counter() - start) * 1e6)
+
+
+async def _stream(
+    request: web.BaseRequest, turn: Turn, pace: float, headers: dict[str, str]
+) -> web.StreamResponse:
     """Send the SSE events as separate writes, as a streaming server does; `pace` seconds
     apart when a token rate is simulated."""
-    response = web.StreamResponse(headers={"Content-Type": turn.content_type})
+    response = web.StreamResponse(headers=headers)
     await response.prepare(request)
     for index, chunk in enumerate(turn.chunks):
         if pace and index:

@@ -10,8 +10,11 @@ in an agentic rollout, so trace-proxy's prompt-prefix sharing is exercised as it
 
 from __future__ import annotations
 
+import hashlib
+import math
 import random
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import orjson
 
@@ -30,6 +33,11 @@ VOCAB = 151_000
 JSON_TYPE = "application/json"
 SSE_TYPE = "text/event-stream; charset=utf-8"
 DONE = b"data: [DONE]\n\n"
+# The load generator asks the upstream to take this long (µs) before answering; the upstream
+# answers how long it did wait, so the time a proxy adds is measured exactly, call by call.
+DELAY_HEADER = "X-Bench-Delay-Us"
+WAITED_HEADER = "X-Bench-Waited-Us"
+LATENCY_SIGMA = 0.5  # of the lognormal generation time: p90 = 1.9x and p99 = 3.2x the median
 
 
 @dataclass(frozen=True)
@@ -48,27 +56,67 @@ class Turn:
 @dataclass(frozen=True)
 class Mode:
     """A benchmark mode as written on the command line: `json`, `sse`, a prompt size
-    (`json-8k`, `sse-32k`) and, for an open loop, a fixed request rate (`json@500/s`)."""
+    (`json-8k`, `sse-32k`), an upstream that takes time to answer (`json-500ms`: each call's
+    generation time drawn from a lognormal distribution with that median; for `sse`, the time
+    to the first event) and, for an open loop, a fixed request rate (`json@500/s`)."""
 
     name: str
     stream: bool
     prompt_tokens: int
     rate: float | None  # requests per second; None: closed loop
+    latency_ms: float | None = None  # median time the upstream takes; None: it answers at once
 
 
 def parse_mode(name: str) -> Mode:
     base, _, rate = name.partition("@")
-    kind, _, size = base.partition("-")
-    if kind not in ("json", "sse") or size not in PROMPT_SIZES:
+    kind, *suffixes = base.split("-")
+    size, latency = "", ""
+    for suffix in suffixes:
+        if suffix in PROMPT_SIZES and not size:
+            size = suffix
+        elif suffix.endswith("s") and not latency:
+            latency = suffix
+        else:
+            kind = ""  # not a mode
+    if kind not in ("json", "sse"):
         sizes = ", ".join(f"-{s}" for s in PROMPT_SIZES if s)
-        raise ValueError(f"unknown mode {name!r}: json or sse, optionally {sizes}, @RATE/s")
+        raise ValueError(
+            f"unknown mode {name!r}: json or sse, optionally {sizes}, -LATENCY (-500ms), @RATE/s"
+        )
     per_second = None
     if rate:
         try:
             per_second = float(rate.removesuffix("/s"))
         except ValueError:
             raise ValueError(f"mode {name!r}: the rate must read like @500/s") from None
-    return Mode(name, kind == "sse", PROMPT_SIZES[size], per_second)
+    median_ms = None
+    if latency:
+        try:
+            median_ms = _milliseconds(latency)
+        except ValueError:
+            raise ValueError(f"mode {name!r}: the latency must read like -500ms or -2s") from None
+    return Mode(name, kind == "sse", PROMPT_SIZES[size], per_second, median_ms)
+
+
+def _milliseconds(text: str) -> float:
+    if text.endswith("ms"):
+        value = float(text[:-2])
+    elif text.endswith("s"):
+        value = float(text[:-1]) * 1000
+    else:
+        raise ValueError(text)
+    if not value > 0:
+        raise ValueError(text)
+    return value
+
+
+def generation_delay_us(median_ms: float, sigma: float, seed: int, sample: int, turn: int) -> int:
+    """How long the upstream takes for one call: lognormal around `median_ms`, the same for the
+    same call (seed, sample, turn) whichever system it goes through, so every system is given
+    the same work to wait on."""
+    digest = hashlib.blake2b(f"{seed}:{sample}:{turn}".encode(), digest_size=8).digest()
+    uniform = (int.from_bytes(digest, "big") + 0.5) / 2**64  # in (0, 1)
+    return round(median_ms * 1000 * math.exp(sigma * NormalDist().inv_cdf(uniform)))
 
 
 def build_turns(
