@@ -105,8 +105,10 @@ def render(
         "## Results (medians across rounds)\n",
         results_table(rows) + "\n",
         "p50/p99: latency of one whole request as the client sees it (send to last byte). "
-        "added: proxy minus direct. req/s vs direct: throughput ratio. proxy CPU µs/req: CPU "
-        "time of the proxy's processes per forwarded request, recording included.\n",
+        "added: proxy minus direct (in the slow-upstream modes, `-500ms` and the like: "
+        "percentiles of each call's latency minus the wait the upstream reported). req/s vs "
+        "direct: throughput ratio. proxy CPU µs/req: CPU time of the proxy's processes per "
+        "forwarded request, recording included.\n",
         "## Checks\n",
         *(f"- {line}" for line in checks.lines()),
         "",
