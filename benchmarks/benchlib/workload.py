@@ -99,22 +99,20 @@ def parse_mode(name: str) -> Mode:
 
 
 def _milliseconds(text: str) -> float:
-    if text.endswith("ms"):
-        value = float(text[:-2])
-    elif text.endswith("s"):
-        value = float(text[:-1]) * 1000
-    else:
-        raise ValueError(text)
+    """`500ms` or `2s` (the caller has seen the trailing s) in milliseconds, > 0."""
+    value = float(text[:-2]) if text.endswith("ms") else float(text[:-1]) * 1000
     if not value > 0:
         raise ValueError(text)
     return value
 
 
-def generation_delay_us(median_ms: float, sigma: float, seed: int, sample: int, turn: int) -> int:
+def generation_delay_us(
+    median_ms: float, sigma: float, seed: int, trajectory: int, turn: int
+) -> int:
     """How long the upstream takes for one call: lognormal around `median_ms`, the same for the
-    same call (seed, sample, turn) whichever system it goes through, so every system is given
-    the same work to wait on."""
-    digest = hashlib.blake2b(f"{seed}:{sample}:{turn}".encode(), digest_size=8).digest()
+    same call (seed, trajectory, turn) whichever system it goes through, so every system is
+    given the same work to wait on."""
+    digest = hashlib.blake2b(f"{seed}:{trajectory}:{turn}".encode(), digest_size=8).digest()
     uniform = (int.from_bytes(digest, "big") + 0.5) / 2**64  # in (0, 1)
     return round(median_ms * 1000 * math.exp(sigma * NormalDist().inv_cdf(uniform)))
 
