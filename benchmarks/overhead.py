@@ -43,6 +43,8 @@ from benchlib.procs import (
     child_env,
     find_nginx,
     machine_busy_seconds,
+    parse_placement,
+    pinned_to,
     start_nginx,
     start_trace_proxy,
     start_upstream,
@@ -161,6 +163,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=2.0,
         help="the upstream's pause between the SSE events of a response (its token rate) [2]",
     )
+    add(
+        "--pin",
+        default="auto",
+        metavar="auto|off|LOAD:SYSTEM",
+        help="CPUs of the load side (load generator and upstream) and of the system under\n"
+        "test: auto splits this machine's in two halves (0:1 on 2 cores), so a proxy is\n"
+        "measured with a core of its own, as a sidecar on a GPU node; off lets every\n"
+        "process run anywhere [auto]",
+    )
     add("--seed", type=int, default=1, help="seed of the canned token ids [1]")
     add("--output", type=Path, default=BENCH_DIR / "RESULTS.md", help="results file [RESULTS.md]")
     add(
@@ -213,30 +224,33 @@ def _choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
 def start_all(args: argparse.Namespace, workdir: Path, stack: ExitStack) -> Running:
     """Start upstream and proxies; the stack stops them even if the run fails."""
     sizes = sorted({parse_mode(mode).prompt_tokens for mode in args.modes})
+    load_cpus, system_cpus = args.placement.load, args.placement.system
     upstream, upstream_url = start_upstream(
-        workdir, args.turns, args.seed, args.chunk_interval_ms, sizes
+        workdir, args.turns, args.seed, args.chunk_interval_ms, sizes, load_cpus
     )
     stack.callback(upstream.stop)
     running = Running(upstream, {DIRECT: upstream_url})
     if TRACE_PROXY in args.systems or UNRECORDED in args.systems:
-        proxy, url, admin = start_trace_proxy(workdir, upstream_url)
+        proxy, url, admin = start_trace_proxy(workdir, upstream_url, cpus=system_cpus)
         stack.callback(proxy.stop)
         for system in (TRACE_PROXY, UNRECORDED):
             running.proxies[system], running.urls[system] = proxy, url
         running.admin_url = admin
     for variant, extra in VARIANTS.items():
         if variant in args.systems:
-            proc, url, _ = start_trace_proxy(workdir, upstream_url, variant, extra)
+            proc, url, _ = start_trace_proxy(
+                workdir, upstream_url, variant, extra, cpus=system_cpus
+            )
             stack.callback(proc.stop)
             running.proxies[variant], running.urls[variant] = proc, url
     if NGINX in args.systems:
-        nginx, url, error_log = start_nginx(workdir, upstream_url)
+        nginx, url, error_log = start_nginx(workdir, upstream_url, system_cpus)
         stack.callback(nginx.stop)
         running.proxies[NGINX], running.urls[NGINX] = nginx, url
         running.nginx_log = error_log
     if LITELLM in args.systems:
         binary = litellm.ensure_litellm(args.litellm)
-        proc, url = litellm.start_litellm(workdir, upstream_url, binary)
+        proc, url = litellm.start_litellm(workdir, upstream_url, binary, system_cpus)
         stack.callback(proc.stop)
         running.proxies[LITELLM], running.urls[LITELLM] = proc, url
     return running
@@ -261,7 +275,13 @@ def run_load(
         argv += ["--latency-ms", str(spec.latency_ms)]
     timeout = _warmup(args, mode) + args.duration + LOAD_TIMEOUT + 60
     result = subprocess.run(
-        argv, capture_output=True, text=True, timeout=timeout, env=child_env(), cwd=BENCH_DIR
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=child_env(),
+        cwd=BENCH_DIR,
+        preexec_fn=pinned_to(args.placement.load),
     )
     if result.returncode != 0:
         raise BenchError(f"load generator failed ({result.returncode}):\n{result.stderr[-2000:]}")
@@ -507,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("PYTHONPATH"):  # it decides which trace_proxy is measured
         command = f"PYTHONPATH={shlex.quote(os.environ['PYTHONPATH'])} {command}"
     try:
+        args.placement = parse_placement(args.pin)
         preflight(args)
     except BenchError as exc:
         print(f"overhead.py: error: {exc}", file=sys.stderr)

@@ -59,7 +59,9 @@ def version(binary: Path) -> str:
     return "unknown"
 
 
-def start_litellm(workdir: Path, upstream: str, binary: Path) -> tuple[Proc, str]:
+def start_litellm(
+    workdir: Path, upstream: str, binary: Path, cpus: frozenset[int] | None = None
+) -> tuple[Proc, str]:
     home = workdir / "litellm"
     home.mkdir()
     config = home / "config.yaml"
@@ -89,6 +91,6 @@ def start_litellm(workdir: Path, upstream: str, binary: Path) -> tuple[Proc, str
     os.environ.setdefault("LITELLM_TELEMETRY", "False")
     # A local benchmark on loopback: no master key.
     os.environ.setdefault("LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY", "true")
-    proc = spawn("litellm", argv, workdir)
+    proc = spawn("litellm", argv, workdir, cpus=cpus)
     wait_for_port(proc, port, timeout=180)
     return proc, f"http://127.0.0.1:{port}"

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,75 @@ NGINX_PACKAGE = "nginx"
 
 class BenchError(RuntimeError):
     """A setup problem the user must fix; printed as one line."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which CPUs the load side (load generator and upstream) and the system under test (every
+    process of it) may run on. Apart, a proxy is measured as a sidecar with cores of its own,
+    as on a GPU node, rather than by how much CPU it takes from the client and the server."""
+
+    load: frozenset[int] | None = None
+    system: frozenset[int] | None = None
+
+    @property
+    def pinned(self) -> bool:
+        return self.load is not None
+
+    def describe(self) -> str:
+        if self.load is None or self.system is None:
+            return "not pinned: every process may run on every core"
+        return (
+            f"load generator and upstream on CPU {_cpu_list(self.load)}, the system under test "
+            f"(all its processes) on CPU {_cpu_list(self.system)}"
+        )
+
+
+def parse_placement(text: str) -> Placement:
+    """`auto`: the CPUs this process may use, split in two halves (not pinned with fewer than
+    2); `off`; or `LOAD:SYSTEM` as CPU lists, `0:1` or `0-3:4-7`."""
+    if text == "off":
+        return Placement()
+    if text == "auto":
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            return Placement()
+        half = len(cpus) // 2
+        return Placement(frozenset(cpus[:half]), frozenset(cpus[half:]))
+    load_text, sep, system_text = text.partition(":")
+    try:
+        load, system = _parse_cpus(load_text), _parse_cpus(system_text)
+    except ValueError:
+        sep = ""
+    if not sep:
+        raise BenchError(f"--pin takes auto, off or LOAD:SYSTEM CPU lists (0:1), not {text!r}")
+    usable = os.sched_getaffinity(0)
+    if not load | system <= usable or load & system:
+        raise BenchError(
+            f"--pin {text}: the two sides need separate CPUs among {_cpu_list(usable)}"
+        )
+    return Placement(load, system)
+
+
+def _parse_cpus(text: str) -> frozenset[int]:
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    if not cpus:
+        raise ValueError(text)
+    return frozenset(cpus)
+
+
+def _cpu_list(cpus: frozenset[int] | set[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
+
+
+def pinned_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
+    """For Popen's `preexec_fn`: the child (and what it starts) runs on these CPUs only."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
 
 
 def stop_on_sigterm() -> None:
@@ -74,8 +144,15 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def spawn(name: str, argv: list[str], workdir: Path, source: Path | None = None) -> Proc:
-    """`source`: a checkout whose `trace_proxy` is imported instead of the installed one."""
+def spawn(
+    name: str,
+    argv: list[str],
+    workdir: Path,
+    source: Path | None = None,
+    cpus: frozenset[int] | None = None,
+) -> Proc:
+    """`source`: a checkout whose `trace_proxy` is imported instead of the installed one;
+    `cpus`: where it and its children may run (all CPUs if None)."""
     log = workdir / f"{name}.log"
     env = child_env()
     if source is not None:
@@ -88,6 +165,7 @@ def spawn(name: str, argv: list[str], workdir: Path, source: Path | None = None)
             stdin=subprocess.DEVNULL,
             env=env,
             cwd=workdir,  # `-m` puts the cwd first on sys.path: no stray checkout shadows imports
+            preexec_fn=pinned_to(cpus),
         )
     return Proc(name, popen, log)
 
@@ -134,12 +212,13 @@ def start_upstream(
     seed: int,
     chunk_interval_ms: float = 0.0,
     prompt_sizes: list[int] | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> tuple[Proc, str]:
     argv = [sys.executable, "-m", "benchlib.upstream", "--port", "0", "--turns", str(turns),
             "--seed", str(seed), "--chunk-interval-ms", str(chunk_interval_ms)]  # fmt: skip
     if prompt_sizes:
         argv += ["--prompt-tokens", ",".join(map(str, prompt_sizes))]
-    proc = spawn("upstream", argv, workdir)
+    proc = spawn("upstream", argv, workdir, cpus=cpus)
     port = wait_for_line(proc, r"upstream listening on (\d+)").group(1)
     return proc, f"http://127.0.0.1:{port}"
 
@@ -155,10 +234,11 @@ def start_trace_proxy(
     name: str = "trace-proxy",
     extra: list[str] | None = None,
     source: Path | None = None,
+    cpus: frozenset[int] | None = None,
 ) -> tuple[Proc, str, str]:
     """Returns the process, its proxy URL and its admin URL (both from its ready line)."""
     store = workdir / ("store" if name == "trace-proxy" else f"store-{name}")
-    proc = spawn(name, trace_proxy_argv(upstream, store, extra), workdir, source)
+    proc = spawn(name, trace_proxy_argv(upstream, store, extra), workdir, source, cpus)
     match = wait_for_line(proc, r"trace-proxy: forwarding (\S+) -> .*metrics at (\S+)/metrics")
     return proc, match.group(1), match.group(2)
 
@@ -209,7 +289,9 @@ http {{
 """
 
 
-def start_nginx(workdir: Path, upstream: str) -> tuple[Proc, str, Path]:
+def start_nginx(
+    workdir: Path, upstream: str, cpus: frozenset[int] | None = None
+) -> tuple[Proc, str, Path]:
     """Foreground nginx (`daemon off`) with everything under workdir/nginx; returns its URL."""
     binary = find_nginx()
     prefix = workdir / "nginx"
@@ -220,7 +302,7 @@ def start_nginx(workdir: Path, upstream: str) -> tuple[Proc, str, Path]:
     conf.write_text(nginx_config(prefix, port, upstream))
     argv = [binary, "-p", str(prefix), "-e", str(prefix / "error.log"), "-c", str(conf),
             "-g", "daemon off;"]  # fmt: skip
-    proc = spawn("nginx", argv, workdir)
+    proc = spawn("nginx", argv, workdir, cpus=cpus)
     wait_for_port(proc, port)
     return proc, f"http://127.0.0.1:{port}", prefix / "error.log"
 

@@ -9,17 +9,11 @@ import statistics
 from datetime import datetime
 from functools import partial
 
+from benchlib.procs import Placement
 from benchlib.report import DIRECT, Cell, Checks, Row, results_table, rounds_table
 from benchlib.workload import LATENCY_SIGMA, OUTPUT_TOKENS, TOOL_TOKENS, build_turns, parse_mode
 
 LIMITS = """\
-- **Everything shares 2 cores.** The load generator (one Python/aiohttp process), the upstream
-  (one Python process) and the proxy under test run on the same two cores. Direct has two busy
-  processes; a proxied run has three. At concurrency 64 the machine is saturated, so "req/s vs
-  direct" measures how much CPU the proxy takes away from the load generator and upstream, not
-  how many requests the proxy could serve on a core of its own. "proxy CPU µs/req" (CPU time of
-  the proxy's processes during the cell divided by the requests it forwarded) is the number
-  that does not depend on that contention.
 - **The load generator is Python.** Its CPU use is in the per-cell table; at concurrency 64 it
   is close to a full core, so direct's throughput is a client-bound figure, not the upstream's
   capacity.
@@ -29,8 +23,7 @@ LIMITS = """\
   rollout feels; it is measured call by call (latency minus the upstream's reported wait), so
   the spread of generation times does not blur it. At 512 in flight the rates are still high
   for one RL server (hundreds to a few thousand calls per second with these medians; real
-  generations take seconds), and on these 2 shared cores the proxy's CPU then competes with
-  the load generator's and the upstream's.
+  generations take seconds).
 - **Concurrency 1 is a loopback round trip through Python event loops.** The added latency is
   the per-hop cost of the proxy; a real vLLM call takes from tens of milliseconds to minutes, so
   compare the added milliseconds with that, not with the sub-millisecond direct latency here.
@@ -70,6 +63,31 @@ LIMITS = """\
 """
 
 
+def _cores(placement: Placement) -> str:
+    if placement.pinned:
+        return """\
+- **The proxy has cores of its own.** The load generator (one Python/aiohttp process) and the
+  upstream (one Python process) share the load side's CPUs; the system under test runs on the
+  others, every process of it (trace-proxy's forwarder, capture and export processes; nginx's
+  worker), as a sidecar does on a GPU node, where the rollout's client and the inference
+  server run elsewhere. Direct leaves those CPUs idle. In the closed-loop cells at concurrency
+  64 and more the load side is saturated, so throughput is bounded by it: a proxy that keeps
+  up shows close to 1.0 vs direct, and one that does not shows its own limit. trace-proxy's
+  recording (capture and export processes) shares the proxy's CPUs with its forwarding
+  there, at a lower priority. `--pin off` measures the other question, how much CPU a proxy
+  takes away from a client and server on the same cores.
+"""
+    return """\
+- **Everything shares the same cores** (`--pin off`). The load generator (one Python/aiohttp
+  process), the upstream (one Python process) and the proxy under test run on the same cores.
+  Direct has two busy processes; a proxied run has three. When the machine is saturated,
+  "req/s vs direct" measures how much CPU the proxy takes away from the load generator and
+  upstream, not how many requests the proxy could serve on a core of its own. "proxy CPU
+  µs/req" (CPU time of the proxy's processes during the cell divided by the requests it
+  forwarded) is the number that does not depend on that contention.
+"""
+
+
 def render(
     command: str,
     when: datetime,
@@ -100,6 +118,7 @@ def render(
         f"- **Command:** `{command}`",
         f"- **Date:** {when:%Y-%m-%d %H:%M} UTC; the run took {seconds:.0f} s",
         f"- **Machine:** {machine}",
+        f"- **CPUs:** {args.placement.describe()} (`--pin {args.pin}`)",
         f"- **Versions:** {versions}",
         f"- **Workload:** {_workload(args)}\n",
         "## Results (medians across rounds)\n",
@@ -120,7 +139,7 @@ def render(
         f"- Memory: {'; '.join(facts)}." if facts else "",
         "",
         "## What limits these numbers\n",
-        LIMITS,
+        _cores(args.placement) + LIMITS,
         "## Every cell, in run order\n",
         rounds_table(cells) + "\n",
     ]
