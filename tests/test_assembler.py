@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
 import time
+import uuid
 
 import orjson
 import pytest
@@ -35,6 +37,7 @@ from trace_proxy.trajectories.record import (
     Trajectory,
     dumps,
     ids_list,
+    new_record_id,
 )
 from trace_proxy.trajectories.rewards import Outcome
 from trace_proxy.trajectories.sampler import Fate, Policy, Sampler, sample_hash
@@ -542,3 +545,21 @@ def test_a_resumed_generate_is_recognised_when_only_the_text_of_its_prompt_is_ke
         prompt,
         [*prompt, 1, 2, 3, 4, 5, 60, 61],
     ]
+
+
+def test_record_ids_are_uuid4_hex_and_a_forked_process_does_not_repeat_them() -> None:
+    ids = {new_record_id() for _ in range(10_000)}
+    assert len(ids) == 10_000
+    for text in ids:
+        parsed = uuid.UUID(hex=text)
+        assert (parsed.version, parsed.variant, parsed.hex) == (4, uuid.RFC_4122, text)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: its next id, then out without running any cleanup
+        os.write(write, new_record_id().encode())
+        os._exit(0)
+    os.waitpid(pid, 0)
+    child_id = os.read(read, 64).decode()
+    os.close(read)
+    os.close(write)
+    assert len(child_id) == 32 and child_id != new_record_id()

@@ -7,7 +7,8 @@ the process above them, which relays them; `exposition` merges what several repo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from prometheus_client import (
     CollectorRegistry,
@@ -17,6 +18,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
@@ -25,6 +27,23 @@ from prometheus_client.samples import Sample
 # `_created` series say when a process made a counter: noise on a dashboard, and they cannot
 # be merged across the processes whose samples /metrics relays.
 disable_created_metrics()  # type: ignore[no-untyped-call]
+
+
+LabelledMetric = TypeVar("LabelledMetric", bound=MetricWrapperBase)
+
+
+def children(metric: LabelledMetric) -> Callable[..., LabelledMetric]:
+    """`metric.labels`, remembered per label values: `labels()` takes a lock and builds its key
+    on every call, which adds up per request. Only for labels with a small set of values."""
+    found: dict[tuple[str, ...], LabelledMetric] = {}
+
+    def child(*values: str) -> LabelledMetric:
+        known = found.get(values)
+        if known is None:
+            known = found[values] = metric.labels(*values)
+        return known
+
+    return child
 
 
 class Metrics:

@@ -21,7 +21,7 @@ from trace_proxy.exporters.pipeline import ExportPipeline, Exports
 from trace_proxy.exporters.process import ExportProcess
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolWriter
-from trace_proxy.metrics import ExportMetrics, Metrics
+from trace_proxy.metrics import ExportMetrics, Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
@@ -47,6 +47,8 @@ class Recorder:
         self._inline: ExportRunner | None = None
         self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
         self.pipeline = self._export_pipeline(exporters)
+        closed = children(metrics.trajectories_closed)
+        sampler_dropped, sampled = children(metrics.sampler_dropped), children(metrics.sampled)
         self.assembler = Assembler(
             self.pipeline.submit,
             project=settings.project,
@@ -54,13 +56,13 @@ class Recorder:
             idle_timeout=settings.idle_timeout,
             step_close_grace=settings.step_close_grace or 0.0,
             defer_finishing=True,  # the capture stage emits closed trajectories in bursts
-            on_close=lambda reason: metrics.trajectories_closed.labels(reason).inc(),
+            on_close=lambda reason: closed(reason).inc(),
             inference=TrafficInference(on_evict=metrics.inference_evicted.inc),
             gate=SamplingGate(
                 sampler_of(settings),
                 self.pipeline.submit,
-                on_drop=lambda what, why: metrics.sampler_dropped.labels(what, why).inc(),
-                on_count=lambda what, outcome, n: metrics.sampled.labels(what, outcome).inc(n),
+                on_drop=lambda what, why: sampler_dropped(what, why).inc(),
+                on_count=lambda what, outcome, n: sampled(what, outcome).inc(n),
             ),
         )
         self.capture = CaptureStage(

@@ -22,7 +22,7 @@ from trace_proxy.capture.dialects.common import decode_request, exchange_failure
 from trace_proxy.capture.exchange import Exchange, dropped_mark
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
-from trace_proxy.metrics import Metrics
+from trace_proxy.metrics import Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.record import ToolCall
 
@@ -47,6 +47,9 @@ class CaptureStage:
         self._resolver = resolver
         self._assembler = assembler
         self._metrics = metrics
+        self._recorded_calls = children(metrics.calls_recorded)
+        self._unparsed_calls = children(metrics.calls_unparsed)
+        self._tool_calls = children(metrics.tool_calls_recorded)
         self._project = project
         self._experiment = experiment
         self._queue: asyncio.Queue[Exchange] = asyncio.Queue(maxsize=queue_size)
@@ -213,10 +216,8 @@ class CaptureStage:
             hints = found or self._resolver.resolve(
                 exchange.request_headers, exchange.path_metadata, item.body
             )
-            counter = (
-                self._metrics.calls_unparsed if item.call.unparsed else self._metrics.calls_recorded
-            )
-            counter.labels(dialect).inc()
+            counter = self._unparsed_calls if item.call.unparsed else self._recorded_calls
+            counter(dialect).inc()
             # The text goes with the call whose prompt is that very list.
             text = ids_text if ids is not None and item.call.prompt.token_ids is ids else None
             self._assembler.add_call(hints, item.call, admitted=exchange.admitted, ids_text=text)
@@ -246,7 +247,7 @@ class CaptureStage:
             http_status=exchange.status,
         )
         hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
-        self._metrics.tool_calls_recorded.labels(exchange.tool_route or "").inc()
+        self._tool_calls(exchange.tool_route or "").inc()
         self._assembler.add_tool(hints, tool)
 
     @staticmethod

@@ -14,12 +14,11 @@ from collections.abc import AsyncIterator, Callable
 
 import orjson
 from aiohttp import StreamReader, web
-from prometheus_client import Counter, Gauge
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import PATH_PREFIX, MetadataResolver, split_rollout_prefix
 from trace_proxy.capture.routes import RouteKind, classify
-from trace_proxy.metrics import Metrics
+from trace_proxy.metrics import Metrics, children
 from trace_proxy.proxy.headers import (
     client_response_headers,
     upstream_request_fields,
@@ -49,9 +48,8 @@ class Forwarder:
         self._submit = submit
         self._admit = admit
         self._metrics = metrics
-        # Metric children, looked up once rather than per request.
-        self._in_flight: dict[str, Gauge] = {}
-        self._requests: dict[tuple[str, str], Counter] = {}
+        self._in_flight = children(metrics.in_flight)
+        self._requests = children(metrics.requests)
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         start = time.time()
@@ -76,11 +74,7 @@ class Forwarder:
             if self._pool.sticky:
                 affinity = self._resolver.affinity_key(request.headers, path_items)
             upstream = self._pool.acquire(affinity)
-        in_flight = self._in_flight.get(upstream.base)
-        if in_flight is None:
-            in_flight = self._in_flight[upstream.base] = self._metrics.in_flight.labels(
-                upstream.base
-            )
+        in_flight = self._in_flight(upstream.base)
         in_flight.inc()
         exchange = None
         if kind is not RouteKind.OTHER:
@@ -164,12 +158,7 @@ class Forwarder:
             exchange.end = time.time()
             exchange.error = exchange.error or error
         status_class = f"{status // 100}xx" if status else "none"
-        counter = self._requests.get((kind.value, status_class))
-        if counter is None:
-            counter = self._requests[kind.value, status_class] = self._metrics.requests.labels(
-                kind.value, status_class
-            )
-        counter.inc()
+        self._requests(kind.value, status_class).inc()
 
     def _fail(
         self,

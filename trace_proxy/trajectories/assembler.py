@@ -11,7 +11,6 @@ Calls with no key at all are single-call trajectories.
 from __future__ import annotations
 
 import time
-import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from trace_proxy.trajectories.record import (
     ids_count,
     ids_list,
     ids_text_tail,
+    new_record_id,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
@@ -275,9 +275,7 @@ class Assembler:
         return trajectory, False
 
     def _new(self, key: RolloutKey, hints: KeyHints, part: int = 1) -> _Open:
-        return _Open(
-            uuid.uuid4().hex, key, part, self._clock(), annotations=list(hints.annotations)
-        )
+        return _Open(new_record_id(), key, part, self._clock(), annotations=list(hints.annotations))
 
     def _attach(self, key: RolloutKey, hints: KeyHints) -> _Open | None:
         """The open trajectory `key` names, opened if new; None when it names none."""
@@ -289,7 +287,7 @@ class Assembler:
         trajectory = self._open.get(identity)
         if trajectory is None:
             part = self._parts.pop(identity, 0) + 1
-            trajectory = _Open(uuid.uuid4().hex, key, part, now)
+            trajectory = _Open(new_record_id(), key, part, now)
             self._open[identity] = trajectory
             if len(self._open) > self._max_open:
                 _, oldest = self._open.popitem(last=False)
