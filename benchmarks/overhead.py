@@ -70,7 +70,7 @@ VARIANTS = {
 SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, INLINE, NGINX, LITELLM)
 MODES = (
     "json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s", "sse@1700/s",
-    "json-500ms", "sse-250ms",
+    "json-500ms", "sse-250ms", "json-32k-2s",
 )  # fmt: skip
 OPEN_LOOP_IN_FLIGHT = 512  # an open-loop cell's cap on requests in flight
 DRAIN_TIMEOUT = 120.0
@@ -478,7 +478,7 @@ def finish(
     ]
     if TRACE_PROXY in running.proxies and running.admin_url:
         check.check_drain(cells, checks)
-        check.check_proxy_metrics(scrape(running.admin_url), cells, checks)
+        samples = scrape(running.admin_url)
         code, seconds = running.proxies[TRACE_PROXY].stop()
         check.check_exit(TRACE_PROXY, code, seconds, checks)
         stream_steps = {
@@ -486,6 +486,10 @@ def finish(
         }
         sizes = {parse_mode(mode).prompt_tokens for mode in args.modes}
         store = read_store(workdir / "store", args.turns, args.seed, stream_steps, sizes)
+        for cell in cells:
+            if cell.system == TRACE_PROXY:
+                cell.dropped = store.dropped_by_step[cell.step]
+        check.check_proxy_metrics(samples, cells, checks)
         check.check_store(store, cells, checks)
         check.check_log(TRACE_PROXY, running.proxies[TRACE_PROXY].log, checks)
     if NGINX in running.proxies:

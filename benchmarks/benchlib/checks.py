@@ -111,10 +111,13 @@ def check_store(store: StoreReport, cells: list[Cell], checks: Checks) -> None:
 
 
 def check_proxy_metrics(samples: dict[str, float], cells: list[Cell], checks: Checks) -> None:
-    """trace-proxy's own accounting: nothing dropped, every request a 2xx, every generate
-    call recorded (and nothing recorded for the unrecorded route)."""
-    recorded = sum(c.load["sent"] for c in cells if c.system == TRACE_PROXY)
+    """trace-proxy's own accounting: every request a 2xx, every generate call recorded or
+    counted as dropped, the same drops as the store's trajectories count (and nothing recorded
+    for the unrecorded route). Whether anything was dropped is a target, judged per cell."""
+    mine = [c for c in cells if c.system == TRACE_PROXY]
+    recorded = sum(c.load["sent"] for c in mine)
     sent = recorded + sum(c.load["sent"] for c in cells if c.system == UNRECORDED)
+    in_store = sum(c.dropped or 0 for c in mine)
     calls = total(samples, "trace_proxy_calls_recorded_total")
     dropped = total(samples, "trace_proxy_capture_dropped_total")
     export_dropped = total(samples, "trace_proxy_export_dropped_total")
@@ -123,13 +126,30 @@ def check_proxy_metrics(samples: dict[str, float], cells: list[Cell], checks: Ch
     all_requests = total(samples, "trace_proxy_requests_total")
     checks.add(
         "trace-proxy metrics",
-        not (dropped or export_dropped or upstream_errors)
+        not (export_dropped or upstream_errors)
         and ok_requests == all_requests == sent
-        and calls == recorded,
+        and calls + dropped == recorded
+        and dropped == in_store,
         f"requests {all_requests:.0f} (2xx {ok_requests:.0f}, sent {sent}); calls recorded "
-        f"{calls:.0f} (sent on recorded routes {recorded}); capture dropped {dropped:.0f}; "
-        f"export dropped {export_dropped:.0f}; upstream errors {upstream_errors:.0f}",
+        f"{calls:.0f} and capture dropped {dropped:.0f} (sent on recorded routes {recorded}; "
+        f"dropped in the store's trajectories {in_store}); export dropped "
+        f"{export_dropped:.0f}; upstream errors {upstream_errors:.0f}" + _where_dropped(cells),
     )
+
+
+def _where_dropped(cells: list[Cell]) -> str:
+    """The cells whose calls the store counts as dropped, summed over rounds."""
+    sent: Counter[str] = Counter()
+    dropped: Counter[str] = Counter()
+    for cell in cells:
+        if cell.system == TRACE_PROXY and cell.dropped:
+            where = f"{cell.mode} c={cell.concurrency}"
+            sent[where] += int(cell.load["sent"])
+            dropped[where] += cell.dropped
+    if not dropped:
+        return ""
+    parts = [f"{at} {n} of {sent[at]} ({n / sent[at]:.0%})" for at, n in dropped.items()]
+    return " (dropped in " + "; ".join(parts) + ")"
 
 
 def check_drain(cells: list[Cell], checks: Checks) -> None:

@@ -83,6 +83,7 @@ class StoreReport:
     calls: int = 0
     calls_dropped: int = 0  # counted in their trajectories' summaries, not recorded
     calls_by_step: Counter[int] = field(default_factory=Counter)
+    dropped_by_step: Counter[int] = field(default_factory=Counter)
     trajectories_by_step: Counter[int] = field(default_factory=Counter)
     close_reasons: Counter[str] = field(default_factory=Counter)
     errors: int = 0
@@ -139,6 +140,7 @@ def _check_trajectory(
     dropped = record["summary"].get("calls_dropped", 0)
     report.calls += len(calls)
     report.calls_dropped += dropped
+    report.dropped_by_step[step] += dropped
     report.calls_by_step[step] += len(calls) + dropped
     report.close_reasons[record["close_reason"]] += 1
     report.later_parts += record["part"] > 1

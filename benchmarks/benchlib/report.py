@@ -34,6 +34,7 @@ class Cell:
     drain_s: float | None = None
     drained: bool = True
     backlog: int | None = None
+    dropped: int | None = None  # calls counted as dropped in the store's trajectories
     tries: int = 1  # attempts at this slot (re-run when other processes were busy)
 
     @property
@@ -177,8 +178,8 @@ def rounds_table(cells: list[Cell]) -> str:
     """Every cell as measured, in run order, with the noise indicators."""
     lines = [
         "| # | round | mode | conc | system | req/s | p50 ms | p99 ms | measured | "
-        "load-gen CPU | other CPU (cores) | tries | drain s |",
-        "|" + "---|" * 13,
+        "load-gen CPU | other CPU (cores) | tries | drain s | dropped |",
+        "|" + "---|" * 14,
     ]
     for index, c in enumerate(cells, 1):
         busy = c.load["cpu_s"] / c.load["elapsed_s"]
@@ -186,6 +187,6 @@ def rounds_table(cells: list[Cell]) -> str:
             f"| {index} | {c.round} | {c.mode} | {c.concurrency} | {c.system} | "
             f"{c.load['rps']:.0f} | {c.load['p50_ms']:.3f} | {c.load['p99_ms']:.3f} | "
             f"{c.load['measured']} | {busy:.0%} | {c.other_cores:.2f} | {c.tries} | "
-            f"{_fmt(c.drain_s, '.2f')} |"
+            f"{_fmt(c.drain_s, '.2f')} | {'-' if c.dropped is None else c.dropped} |"
         )
     return "\n".join(lines)

@@ -242,6 +242,7 @@ def _targets(rows: list[Row], cells: list[Cell]) -> list[str]:
             if off is not None and off.rps
         ],
     )
+    judge("every call recorded, none dropped for want of CPU", _dropped(mine, cells))
     versus_nginx = [(r, _same(rows, r, "nginx")) for r in mine]
     judge(
         "CPU per request <= 3x nginx's",
@@ -269,6 +270,23 @@ def _targets(rows: list[Row], cells: list[Cell]) -> list[str]:
         "| RSS < 300 MB and flat over a 10-minute soak | see the soak section below (`soak.py`) | |"
     )
     return table
+
+
+def _dropped(mine: list[Row], cells: list[Cell]) -> list[tuple[str, bool, str]]:
+    """Per mode and concurrency, the share of calls the store counts as dropped (kept cells,
+    every round); nothing to judge when the store was not read."""
+    judged = []
+    for row in mine:
+        same = [
+            c for c in cells
+            if (c.system, c.mode, c.concurrency) == ("trace-proxy", row.mode, row.concurrency)
+            and c.dropped is not None
+        ]  # fmt: skip
+        sent = sum(int(c.load["sent"]) for c in same)
+        if sent:
+            dropped = sum(c.dropped or 0 for c in same)
+            judged.append((_where(row), not dropped, f"{dropped / sent:.0%} dropped"))
+    return judged
 
 
 def _where(row: Row) -> str:
