@@ -17,7 +17,7 @@ LIMITS = """\
 - **The load generator is Python.** Its CPU use is in the per-cell table; at concurrency 64 it
   is close to a full core, so direct's throughput is a client-bound figure, not the upstream's
   capacity.
-- **The slow-upstream modes (`-500ms`, `-250ms`) are the rollout's shape**: hundreds of calls
+- **The slow-upstream modes (`-500ms`, `-250ms`, `-2s`) are the rollout's shape**: many calls
   in flight, each waiting on a generation, so the request rate is what the upstream allows and
   the machine is not saturated by the load generator. There the added latency is what a
   rollout feels; it is measured call by call (latency minus the upstream's reported wait), so
@@ -37,6 +37,12 @@ LIMITS = """\
   trace-proxy (its CPU and memory include every process under it) and waits for the backlog
   to drain before the next cell, so it does not slow the next system; the drain time is
   reported in the checks.
+- **Recording can fall behind for want of CPU.** When the proxy's cores are saturated by
+  forwarding (the closed-loop cells with 8k and 32k prompts at 64 and 512 in flight here), the
+  capture process at nice 19 gets what is left; its backlog grows to `--capture-queue-bytes`,
+  then exchanges are counted as dropped in their trajectories (the "dropped" column of the
+  per-cell table, and a target row) rather than slowing forwarding. The slow-upstream cells,
+  at a rollout's rates, leave it room.
 - **trace-proxy-inline** is the same, with parsing and assembling on the forwarding process's
   event loop (`--capture-mode inline`, the design before the capture process): the two side by
   side are the measured effect of moving capture out.
@@ -59,7 +65,8 @@ LIMITS = """\
 - **Noise.** Other processes on the machine are visible in "other CPU (cores)" per cell. Rounds
   rotate the order of the systems and the tables show medians across rounds; added latency and
   the throughput ratio are medians of per-round comparisons with the direct cell of the same
-  round.
+  round. A p99 from a few seconds of a cell rests on its few dozen slowest requests: it moves
+  by milliseconds from run to run, so compare p99s across runs as a range, not to the digit.
 """
 
 
