@@ -174,7 +174,8 @@ def _workload(args: argparse.Namespace) -> str:
         f"upstream to take a generation time (for a stream, the time to its first event) drawn "
         f"from a lognormal distribution with that median and sigma {LATENCY_SIGMA:g} (p99 "
         f"{math.exp(2.326 * LATENCY_SIGMA):.1f}x the median), the same for the same call through "
-        f"every system, run at the concurrencies of 64 and more after a warm-up of 4 medians; "
+        f"every system, run at the concurrencies of 64 and more after a warm-up of 4 medians "
+        f"and measured for at least 5; "
         f"their added latency is computed from each call's latency minus the wait the upstream "
         f"reports"
         if slow
