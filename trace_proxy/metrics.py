@@ -119,7 +119,8 @@ class Metrics:
         self.sampled = Counter(
             "trace_proxy_sampled",
             "Calls and trajectories seen, kept and dropped by the sampler (dropped for other "
-            "reasons: trace_proxy_capture_dropped, trace_proxy_export_dropped)",
+            "reasons: trace_proxy_capture_dropped, trace_proxy_export_dropped); late: of those "
+            "seen, the ones that arrived after their step's summary was written",
             ["what", "outcome"],
             registry=r,
         )

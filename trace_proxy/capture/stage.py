@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -60,6 +61,13 @@ class CaptureStage:
         self._tasks: list[asyncio.Task[None]] = []
         # Told the hints of each call `admit` refuses (the sampler's refusals are final).
         self.on_refused: Callable[[KeyHints], None] | None = None
+        # Refused calls that name a newer step than any before them in their run, each with
+        # how many exchanges had been queued before it: told to the assembler once those are
+        # processed, so the refusal, decided on arrival, moves steps on in arrival order.
+        self._queued = 0  # exchanges put in the queue, ever
+        self._processed = 0  # of those, taken out and processed
+        self._step_marks: deque[tuple[int, KeyHints]] = deque()
+        self._newest_step: dict[tuple[Any, Any, bool], int] = {}
 
     def admit(self, exchange: Exchange) -> bool:
         """On the hot path: False when the headers name a sample the sampler has dropped, so
@@ -73,9 +81,31 @@ class CaptureStage:
             self._metrics.capture_dropped.labels("sampler").inc()
             if self.on_refused is not None:
                 self.on_refused(hints)
+            if self._newer_step(hints):
+                self._step_marks.append((self._queued, hints))
+                self._tell_steps()
             return False
         exchange.admitted = verdict is True
         return True
+
+    def _newer_step(self, hints: KeyHints) -> bool:
+        """Does a refused call name a later step of its run than any refused before it?
+        (Only those can move the assembler's steps on: one mark a step, not one a call.)"""
+        step = hints.values.get("step")
+        if step is None:
+            return False
+        v = hints.values
+        run = (v.get("project"), v.get("experiment"), bool(v.get("validate")))
+        if step <= self._newest_step.get(run, -1):
+            return False
+        self._newest_step[run] = step
+        return True
+
+    def _tell_steps(self) -> None:
+        """Step marks whose predecessors have all been processed, to the assembler."""
+        marks = self._step_marks
+        while marks and marks[0][0] <= self._processed:
+            self._assembler.see_step(marks.popleft()[1])
 
     def submit(self, exchange: Exchange) -> None:
         """Called by the forwarder; never blocks, never raises."""
@@ -84,12 +114,14 @@ class CaptureStage:
             self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
             if not self._queue.full():  # a mark holds no body: the count bounds them
                 self._queue.put_nowait(dropped_mark(exchange, "capture_queue_bytes"))
+                self._queued += 1
             return
         try:
             self._queue.put_nowait(exchange)
         except asyncio.QueueFull:
             self._metrics.capture_dropped.labels("capture_queue_full").inc()
             return
+        self._queued += 1
         exchange.size = size
         self._queued_bytes += size
 
@@ -101,6 +133,7 @@ class CaptureStage:
             self._room.clear()
             await self._room.wait()
         await self._queue.put(exchange)
+        self._queued += 1
         exchange.size = size
         self._queued_bytes += size
 
@@ -132,17 +165,7 @@ class CaptureStage:
         burst_started = time.perf_counter()
         assembler = self._assembler
         while True:
-            exchange = await self._queue.get()
-            try:
-                self.process(exchange)
-            except Exception:
-                self._metrics.capture_dropped.labels("internal_error").inc()
-                log.exception("capturing %s %s failed", exchange.method, exchange.path)
-            finally:
-                self._queue.task_done()
-                self._queued_bytes -= exchange.size
-                self._room.set()
-                self._metrics.capture_queue.set(self._queue.qsize())
+            self._handle(await self._queue.get())
             if assembler.pending:  # trajectories this closed: at least one, within the budget
                 assembler.run_pending(until=burst_started + BURST)
             # Queue.get() does not yield while items wait: without a yield a backlog would be
@@ -154,6 +177,31 @@ class CaptureStage:
                 burst_started = time.perf_counter()
                 if self._queue.empty():
                     await self._finish_closed()
+
+    def process_waiting(self) -> bool:
+        """Process the exchange that has waited longest, if any (what the worker does; for
+        driving the stage step by step)."""
+        try:
+            exchange = self._queue.get_nowait()
+        except asyncio.QueueEmpty:
+            return False
+        self._handle(exchange)
+        return True
+
+    def _handle(self, exchange: Exchange) -> None:
+        try:
+            self.process(exchange)
+        except Exception:
+            self._metrics.capture_dropped.labels("internal_error").inc()
+            log.exception("capturing %s %s failed", exchange.method, exchange.path)
+        finally:
+            self._queue.task_done()
+            self._processed += 1
+            if self._step_marks:
+                self._tell_steps()
+            self._queued_bytes -= exchange.size
+            self._room.set()
+            self._metrics.capture_queue.set(self._queue.qsize())
 
     async def _finish_closed(self) -> None:
         """Emit closed trajectories in bursts, yielding between them: a step change can close

@@ -160,11 +160,13 @@ class Assembler:
         sampled: decided after parsing)."""
         if self._gate is None or not self._gate.active or "sample_index" not in hints.values:
             return None
-        key = self._key(hints)
-        if self._gate.admit(key):
-            return True
-        self._close_older_steps(key)
-        return False
+        return self._gate.admit(self._key(hints))
+
+    def see_step(self, hints: KeyHints) -> None:
+        """A call the sampler refused from its headers names this step: a later step may have
+        started. Told in the order calls reach the assembler (see `CaptureStage.admit`), never
+        ahead of calls that arrived before it, so a step never ends before they are placed."""
+        self._close_older_steps(self._key(hints))
 
     def add_call(
         self,

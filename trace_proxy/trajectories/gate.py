@@ -4,7 +4,11 @@ A call of a dropped sample is refused as it arrives (nothing more is kept of it)
 trajectory is exported at once, unless its sample is a top-N candidate: then it waits for the
 end of its step, when the candidates still among the N smallest hashes are exported and the
 others dropped. Waiting trajectories are bounded; one pushed out of the bound is dropped and
-counted. When a step ends, a summary record says what it produced and what was kept.
+counted. When a step ends, a summary record says what it produced and what was kept: once,
+whatever arrives later. A call or trajectory of a step already decided is late: the sampler
+judges it against the step's kept samples (`Sampler.decide`), a kept one is exported with a
+`late` annotation, and both are counted on /metrics (`outcome="late"` besides seen, kept or
+dropped), not in the step's summary, which was written already.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from trace_proxy.trajectories.record import (
     Trajectory,
 )
 from trace_proxy.trajectories.rewards import ExportedIndex, Outcome, apply, matches
-from trace_proxy.trajectories.sampler import Fate, Sampler
+from trace_proxy.trajectories.sampler import DECIDED_STEPS, Fate, Sampler
 
 StepScope = tuple[str, str, bool, Any]  # project, experiment, validate, step
+ENDED_STEPS = DECIDED_STEPS  # steps remembered as ended, so late arrivals never reopen one
 
 
 def sample_of(key: RolloutKey) -> Any:
@@ -65,6 +70,7 @@ class SamplingGate:
         self._refused: dict[StepScope, set[tuple[Any, Any]]] = {}
         self._released: dict[StepScope, set[tuple[Any, Any]]] = {}
         self._exported = ExportedIndex()
+        self._ended: OrderedDict[StepScope, None] = OrderedDict()  # the latest, bounded
         self._active = any(
             p.max_samples is not None or p.rate is not None
             for p in (sampler.policy(False), sampler.policy(True))
@@ -82,6 +88,14 @@ class SamplingGate:
         if not counted:
             return fate is not Fate.DROP
         scope = scope_of(key)
+        if self._late(key):
+            self._count("calls", "seen", 1)
+            self._count("calls", "late", 1)
+            if fate is Fate.DROP:
+                self._count("calls", "dropped_by_sampler", 1)
+                self._dropped("call", "sampler")
+                return False
+            return True
         summary = self._summary(scope)
         summary.calls_seen += 1
         self._count("calls", "seen", 1)
@@ -106,6 +120,9 @@ class SamplingGate:
         key = trajectory.key
         scope = scope_of(key)
         policy = self._sampler.policy(bool(key.validate))
+        if self._late(key):
+            self._release_late(trajectory)
+            return
         rollout = _rollout(key)
         if rollout not in self._refused.get(scope, ()):
             self._summary(scope).trajectories_seen += 1
@@ -123,6 +140,32 @@ class SamplingGate:
             _, (old_scope, _, oldest) = self._waiting.popitem(last=False)
             self._drop(old_scope, oldest, reason="waiting_full")
 
+    def _late(self, key: RolloutKey) -> bool:
+        """Has this key's step ended already (its summary written)?"""
+        return scope_of(key) in self._ended
+
+    def _release_late(self, trajectory: Trajectory) -> None:
+        """A trajectory closed after its step was decided: judged against the step's kept
+        samples, counted on /metrics only (its step's summary is written)."""
+        key = trajectory.key
+        fate, _ = self._sampler.decide(key.experiment, key.step, bool(key.validate), sample_of(key))
+        self._count("trajectories", "seen", 1)
+        self._count("trajectories", "late", 1)
+        calls = len(trajectory.calls)
+        if fate is Fate.DROP:
+            self._count("trajectories", "dropped_by_sampler", 1)
+            self._dropped("trajectory", "sampler")
+            return
+        trajectory.annotations.append(
+            {"field": "step", "source": "sampler", "value": str(key.step),
+             "note": "late: closed after its step ended and its summary was written; kept "
+                     "by the rule that chose the step's samples"}
+        )  # fmt: skip
+        self._count("trajectories", "kept", 1)
+        self._count("calls", "kept", calls)
+        self._exported.add(trajectory)
+        self._emit(trajectory)
+
     def end_step(self, project: str, experiment: str, validate: bool, step: Any) -> None:
         scope = (project, experiment, validate, step)
         kept = self._sampler.finish_step(experiment, step, validate)
@@ -136,6 +179,9 @@ class SamplingGate:
                 self._drop(scope, trajectory)
         self._refused.pop(scope, None)
         self._released.pop(scope, None)
+        self._ended[scope] = None
+        while len(self._ended) > ENDED_STEPS:
+            self._ended.popitem(last=False)
         summary = self._summaries.pop(scope, None)
         if summary is not None:
             self._emit(summary)

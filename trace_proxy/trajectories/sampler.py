@@ -13,12 +13,18 @@ here a sample's fate depends only on a keyed hash of (seed, experiment, step, va
   N smallest of what it saw, and the N smallest overall are among them).
 - `None` keeps everything; 0 keeps nothing. Whole samples are kept: every rollout of a kept
   sample (a whole GRPO group).
+- A step once decided stays decided (the latest DECIDED_STEPS are remembered): a sample that
+  arrives after its step ended is judged against what was kept, kept when it is one of the
+  kept samples or would have been among the N smallest (fewer than N kept, or its hash below
+  the largest kept), dropped otherwise. What was exported is never taken back, so a late
+  sample can only add to the step's selection, never replace one already kept.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -27,6 +33,7 @@ if TYPE_CHECKING:
     from trace_proxy.config import Settings
 
 HASH_SPACE = float(1 << 64)
+DECIDED_STEPS = 4096  # steps whose selection late samples are judged against
 
 
 class Fate(str, Enum):
@@ -66,11 +73,27 @@ class _Step:
     members: set[str] = field(default_factory=set)
 
 
+@dataclass(frozen=True, slots=True)
+class _Decided:
+    """A top-N step after its end: what was kept, and the bar a late sample must pass."""
+
+    kept: frozenset[str]
+    largest: float  # the largest kept hash (meaningful when full)
+    full: bool  # N samples were kept
+
+    def keeps(self, sample: str, h: float) -> bool:
+        return sample in self.kept or not self.full or h < self.largest
+
+
+StepId = tuple[str, Any, bool]  # experiment, step, validate
+
+
 class Sampler:
     def __init__(self, seed: int = 0, train: Policy = Policy(), validate: Policy = Policy()):
         self.seed = seed
         self._policies = {False: train, True: validate}
-        self._steps: dict[tuple[str, Any, bool], _Step] = {}
+        self._steps: dict[StepId, _Step] = {}
+        self._decided: OrderedDict[StepId, _Decided] = OrderedDict()
 
     def policy(self, validate: bool) -> Policy:
         return self._policies[validate]
@@ -88,8 +111,11 @@ class Sampler:
         assert policy.max_samples is not None
         if policy.max_samples == 0:
             return Fate.DROP, []
-        state = self._steps.setdefault((experiment, step, validate), _Step())
         name = str(sample)
+        decided = self._decided.get((experiment, step, validate))
+        if decided is not None:
+            return (Fate.KEEP if decided.keeps(name, h) else Fate.DROP), []
+        state = self._steps.setdefault((experiment, step, validate), _Step())
         if name in state.members:
             return Fate.CANDIDATE, []
         if len(state.heap) < policy.max_samples:
@@ -125,9 +151,22 @@ class Sampler:
         return state is not None and str(sample) in state.members
 
     def finish_step(self, experiment: str, step: int | None, validate: bool) -> set[str]:
-        """The step is over: its candidates are kept. Returns them, and forgets the step."""
-        state = self._steps.pop((experiment, step, validate), None)
-        return set(state.members) if state is not None else set()
+        """The step is over: its candidates are kept. Returns them; the step is remembered as
+        decided, so samples arriving later are judged against them."""
+        step_id = (experiment, step, validate)
+        decided = self._decided.get(step_id)
+        if decided is not None:
+            return set(decided.kept)
+        state = self._steps.pop(step_id, None)
+        max_samples = self._policies[validate].max_samples
+        if max_samples is None or max_samples == 0:
+            return set()
+        kept = frozenset(state.members) if state is not None else frozenset()
+        largest = -state.heap[0][0] if state is not None and state.heap else 0.0
+        self._decided[step_id] = _Decided(kept, largest, len(kept) >= max_samples)
+        while len(self._decided) > DECIDED_STEPS:
+            self._decided.popitem(last=False)
+        return set(kept)
 
 
 def sampler_of(settings: Settings) -> Sampler:
