@@ -57,6 +57,7 @@ class ExportPipeline:
         self._task: asyncio.Task[None] | None = None
         self._batch_size = batch_size
         self._retry_backoff = retry_backoff
+        self._dropping = False  # the latest record submitted was dropped
         metrics.spool_bytes.set_function(lambda: spool.used_bytes)
 
     @property
@@ -78,7 +79,12 @@ class ExportPipeline:
             self._queue.put_nowait(record)
         except asyncio.QueueFull:
             self._metrics.spool_dropped.labels("queue_full").inc()
-            log.warning("the spool is not keeping up and memory is full: a record was dropped")
+            if not self._dropping:  # once a spell, not once a record
+                log.warning("the spool is not keeping up and memory is full: records are "
+                            "dropped until it catches up (counted in spool_dropped)")  # fmt: skip
+            self._dropping = True
+        else:
+            self._dropping = False
 
     async def flush(self) -> None:
         """Wait until everything submitted so far is exported by every backend, or counted."""

@@ -206,7 +206,14 @@ class SpoolWriter:
         if self._fd is None or self._size >= self.segment_bytes:
             self._rotate(seq)
         assert self._fd is not None
-        _write_all(self._fd, data)
+        try:
+            _write_all(self._fd, data)
+        except OSError:
+            # A full disk may take part of the batch: cut it off, so a retry writes it whole
+            # and no reader meets a torn record in the middle of a segment.
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, self._size)
+            raise
         self._size += len(data)
         self.next_seq = seq + len(payloads)
         if time.monotonic() - self._synced >= self.fsync_interval:

@@ -31,6 +31,9 @@ from multidict import CIMultiDict
 READ_HIGH_WATER = 1 << 18  # bytes buffered for a slow client before the upstream is paused
 READ_LOW_WATER = 1 << 16
 NO_BODY_STATUS = frozenset({204, 304})
+# An upstream's status line and headers, at most (nginx's proxy_buffer_size is 4-8 KiB; vLLM
+# and SGLang send a few hundred bytes): past it the response is a 502, never held in memory.
+MAX_RESPONSE_HEAD = 1 << 20
 
 
 class UpstreamError(Exception):
@@ -87,6 +90,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = False
         self._error: UpstreamError | None = None
         self._received_any = False
+        self._head_bytes = 0  # received before the response head was complete
         self._last_data = 0.0
         self._read_timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
@@ -106,6 +110,12 @@ class UpstreamConnection(asyncio.Protocol):
             return
         self._received_any = True
         self._last_data = self._loop.time()
+        if self._headers_done is not None and not self._headers_done.done():
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_RESPONSE_HEAD:
+                detail = f"the response head exceeds {MAX_RESPONSE_HEAD} bytes"
+                self._fail(UpstreamError("reset", detail))
+                return
         try:
             parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -289,6 +299,7 @@ class UpstreamConnection(asyncio.Protocol):
         self._keep_alive = False
         self._error = None
         self._received_any = False
+        self._head_bytes = 0
         self._reading_paused = False
 
     def _finish(self) -> None:
