@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 MAX_OPEN_FILES = 32
 NAME_FILE = ".trace-proxy-name"  # in each directory of the store: the value it is named after
 CANDIDATES = 8  # names tried for one value, each taken by something else, before giving up
+KNOWN_DIRECTORIES = 4096  # decisions kept; one forgotten is made again, the same way
 _OURS, _TAKEN, _ABSENT = "ours", "taken", "absent"
 
 
@@ -84,11 +85,11 @@ class StoreDirectories:
     `<name>~<hash of the value>`. A directory without a `NAME_FILE` (an earlier version's) is
     taken over when its name is exactly the value's. Nothing is followed out of the root: a
     symbolic link is never used as a directory, and each directory is checked to resolve under
-    the root. Decisions are kept for the life of the process."""
+    the root. The latest decisions are kept (the values come from requests: not all of them)."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._known: dict[tuple[Path, str], Path] = {}
+        self._known: OrderedDict[tuple[Path, str], Path] = OrderedDict()
 
     def get(self, project: str, experiment: str, create: bool) -> Path | None:
         """The directory, made if `create`; None when it does not exist (and not `create`).
@@ -105,6 +106,7 @@ class StoreDirectories:
     def _child(self, parent: Path, value: str, create: bool) -> Path | None:
         known = self._known.get((parent, value))
         if known is not None:
+            self._known.move_to_end((parent, value))
             return known
         base = store_name(value)
         for attempt in range(CANDIDATES):
@@ -116,6 +118,8 @@ class StoreDirectories:
                 return None
             if state == _OURS and self._inside(path):
                 self._known[(parent, value)] = path
+                if len(self._known) > KNOWN_DIRECTORIES:
+                    self._known.popitem(last=False)
                 return path
             log.warning("jsonl: %s is not the store's directory for %r, trying another name",
                         path, value)  # fmt: skip
