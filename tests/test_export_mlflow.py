@@ -349,6 +349,40 @@ def test_errors_and_a_file_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert root.status.description == "1 of 1 calls failed; call 0: http_503: overloaded"
 
 
+@pytest.mark.parametrize("store", ["sqlite", "file"])
+def test_names_from_requests_are_data_not_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    """MLflow 3.17 keeps experiment and run names in its database (sqlite) or in meta.yaml
+    files (file store), and names directories by ids: a hostile project (the MLflow
+    experiment) or experiment (the run) is data, never a path, so they are given as sent."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    where = tmp_path / "a" / "b" / "store"
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    uri = f"sqlite:///{where / 'mlflow.db'}" if store == "sqlite" else (where / "mlruns").as_uri()
+    names = ["../../x", str(outside / "abs"), "a/b\\c", "nul\x00", ".", "..", "n" * 256,
+             "\u00e9" * 256]  # fmt: skip
+    exporter = MlflowExporter(uri, "default", None)
+    for number, name in enumerate(names):
+        record = trajectory(f"{number:032x}", 1, project=name)
+        record.key.experiment = name
+        exporter.export([record, StepSummary(project=name, experiment=name, step=1,
+                                             validate=False)])  # fmt: skip
+    exporter.close()
+    elsewhere = [p for p in tmp_path.rglob("*") if not p.is_relative_to(where)]
+    assert sorted(elsewhere) == [tmp_path / "a", tmp_path / "a" / "b", outside]
+    assert not list(outside.iterdir())
+    client = MlflowClient(uri)
+    for number, name in enumerate(names):
+        experiment = client.get_experiment_by_name(name)
+        assert experiment is not None
+        [run] = client.search_runs([experiment.experiment_id])
+        assert run.info.run_name == name
+        trace = client.get_trace(trace_id_of(f"{number:032x}"))
+        assert trace.info.experiment_id == experiment.experiment_id
+
+
 def test_server_path_puts_the_tags_on_the_root_span(tracking_uri: str) -> None:
     """To an http(s) server only the spans go (OTLP) and the server makes the trace from them,
     reading tags from `mlflow.traceTag.<k>` root attributes: here the same store call, in

@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import aiohttp
 import pytest
@@ -40,6 +41,7 @@ from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.exporters.trackio import ANNOTATION_KEY, TRACE_KEY, TrackioExporter, create
 from trace_proxy.proxy.service import ProxyService
+from trace_proxy.storenames import store_name
 
 # Not importorskip: importing trackio here would fix its directory before the fixture sets it.
 pytestmark = pytest.mark.skipif(
@@ -363,6 +365,47 @@ async def test_a_trajectory_without_a_step_and_late_rewards(
     assert late["metadata"]["applies_to"] == [by_id["t-1"]["id"]]
     assert never_seen["metadata"]["reward"] == -1.0 and never_seen["metadata"]["applies_to"] == []
     assert logged[0]["metadata"]["score"] is None  # exported before the score arrived
+
+
+async def test_hostile_project_and_experiment_names_stay_in_the_trackio_directory(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path, project: str, trackio_dir: Path
+) -> None:
+    """trackio names its files after the project: it gets the project's store name (bounded,
+    ASCII), the metadata keeps the project as sent, and the run keeps the experiment's name."""
+    _, upstream = fake_vllm
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    unique = project  # trackio's directory is the session's: names of this test's own
+    cases = [  # (project, experiment), the baggage carrying NUL and non-ASCII
+        (f"../../{unique}", "../../../run"),
+        (str(outside / unique), str(outside / "run")),
+        (f"a/b\\{unique}", ".."),
+        (f"{unique}\x00", "."),
+        ("p" * 240 + unique, "e" * 256),  # too long for a file name, with `.db`
+        (unique + "\u00e9" * 120, "\u00e9" * 256),
+    ]
+    watched = trackio_dir.parent
+    before = {p for p in watched.rglob("*") if not p.is_relative_to(tmp_path)}
+    body = {"model": "tiny-qwen", "prompt": "Hi", "max_tokens": 2}
+    async with running(upstream, tmp_path / "out", project, trackio_dir) as (_, proxy):
+        async with aiohttp.ClientSession() as session:
+            for number, (name, experiment) in enumerate(cases):
+                baggage = ",".join(f"rollout.{k}={quote(v, safe='')}" for k, v in
+                                   (("project", name), ("experiment", experiment)))  # fmt: skip
+                headers = {"baggage": baggage, "X-Rollout-Step": "1", "X-Rollout-Done": "true",
+                           "X-Rollout-Trajectory-Id": f"t{number}"}  # fmt: skip
+                async with session.post(proxy + "/v1/completions", json=body,
+                                        headers=headers) as response:  # fmt: skip
+                    assert response.status == 200
+    after = {p for p in watched.rglob("*") if not p.is_relative_to(tmp_path)}
+    assert all(p.is_relative_to(trackio_dir) for p in after - before)
+    assert not list(outside.iterdir())
+    assert all(len(p.name.encode()) < 200 for p in after - before)
+    for number, (name, experiment) in enumerate(cases):
+        [trace] = traces(store_name(name), experiment)
+        assert trace["metadata"]["trajectory_id"] == f"t{number}"
+        assert trace["metadata"]["project"] == name
+        assert trace["metadata"]["experiment_name"] == experiment
 
 
 def test_one_trackio_directory_per_process(trackio_dir: Path, tmp_path: Path) -> None:

@@ -80,6 +80,12 @@ def test_malformed_value_becomes_annotation_and_falls_through() -> None:
     ]
 
 
+def test_a_count_too_long_for_a_file_name_or_an_int64_falls_through() -> None:
+    hints = resolve({"X-Rollout-Step": "9" * 19, "X-Rollout-Sample-Index": "9" * 18})
+    assert "step" not in hints.values and hints.values["sample_index"] == 10**18 - 1
+    assert hints.annotations[0]["error"] == "expected at most 18 digits"
+
+
 def test_unknown_path_key_is_annotated() -> None:
     hints = resolve({}, path="/rollout/stp=1/v1/completions")
     assert hints.values == {}

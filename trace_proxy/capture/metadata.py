@@ -45,6 +45,7 @@ PATH_PREFIX = "/rollout/"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 MAX_VALUE_LEN = 256
+MAX_COUNT_DIGITS = 18  # a step names a file of the store, and backends keep it as an int64
 
 
 def _name(value: str) -> str:
@@ -56,6 +57,8 @@ def _name(value: str) -> str:
 def _count(value: str) -> int:
     if not value.isdigit():
         raise ValueError("expected a non-negative integer")
+    if len(value) > MAX_COUNT_DIGITS:
+        raise ValueError(f"expected at most {MAX_COUNT_DIGITS} digits")
     return int(value)
 
 

@@ -25,6 +25,11 @@ rewrites the same traces. Per tracking URI:
 
 Step summaries become metrics of the run (`trace_proxy/trajectories_kept`, ...; validation
 steps under `trace_proxy/validate/`). Step events are not exported.
+
+The project (the MLflow experiment) and the record's experiment (the run's name) come from
+requests and are given to MLflow as sent: MLflow 3.17 keeps names in its database (or a file
+store's meta.yaml) and names directories by ids, so no name becomes a path (a test sends
+`../..`, absolute paths, NUL and 256-character names to both stores).
 """
 
 from __future__ import annotations

@@ -8,6 +8,16 @@ step, with the conversation, the execution tree and the metadata (reward, key, t
 - Storage: `$TRACKIO_DIR/<project>.db` (`--trackio-dir`; else `TRACKIO_DIR`, else trackio's
   default `~/.cache/huggingface/trackio`). trackio reads TRACKIO_DIR once, when it is imported,
   so a process holds one directory: a second exporter asking for another one is refused.
+- Names: a record's project comes from a request, and trackio names files after it (the
+  database, its lock, trace session and media directories). trackio 0.43 keeps only letters,
+  digits, `-` and `_` of it, so it cannot leave TRACKIO_DIR, but it keeps any length (a name
+  too long for a file stalled the backend) and non-ASCII letters (which a filesystem may
+  normalise), and `../..` fell into its `default` project. So trackio gets the project's
+  `store_name`, as the jsonl store names its directory: ordinary names are unchanged, others
+  are percent-encoded (trackio then drops the `%`), long ones cut and hashed; the trace's
+  metadata keeps the project as sent. The run is named after the experiment as sent: trackio
+  keeps run names in its database and uses one in a path only for media (never logged here)
+  and, reduced to `[A-Za-z0-9._-]` and 100 characters, for its trace session files.
 - Runs: one per (project, experiment), created on first use with `trackio.init(project,
   name=experiment)` and finished by `close()`. `trackio.init` keeps "the current run" in a
   context variable and finishes the previous one, so each run is created in a context of its
@@ -47,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from trace_proxy.storenames import store_name
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
 
@@ -87,10 +98,10 @@ class TrackioExporter:
         for record in records:
             if isinstance(record, Trajectory):
                 key = record.key
-                where = (key.project or self.project, key.experiment)
+                where = (store_name(key.project or self.project), key.experiment)
                 step, name = key.step, TRACE_KEY
             elif isinstance(record, Annotation):
-                where = (record.project or self.project, record.experiment)
+                where = (store_name(record.project or self.project), record.experiment)
                 step, name = record.step, ANNOTATION_KEY
             else:
                 continue  # step events and step summaries: not exported to trackio
@@ -120,6 +131,10 @@ class TrackioExporter:
             return False
         try:
             self._storage.validate_project_name(project)
+            database = os.path.realpath(self._storage.get_project_db_path(project))
+            directory = os.path.realpath(self.directory)
+            if os.path.commonpath([directory, database]) != directory:  # never, in trackio 0.43
+                raise ValueError(f"its database {database} would be outside {directory}")
         except ValueError as exc:
             self._refused.add(project)
             log.error("trackio: records of project %r are not exported: %s", project, exc)
@@ -519,6 +534,7 @@ def trajectory_metadata(data: JSON) -> JSON:
     calls = data.get("calls") or []
     return {
         "trajectory_id": key.get("trajectory_id"),
+        "project": key.get("project"),
         "experiment_name": key.get("experiment"),
         "step": key.get("step"),
         "sample_index": key.get("sample_index"),
@@ -551,6 +567,7 @@ def annotation_metadata(data: JSON) -> JSON:
         "trajectory_id": target.get("trajectory_id"),
         "target": target,
         "applies_to": data.get("trajectories"),
+        "project": data.get("project"),
         "experiment_name": data.get("experiment"),
         "step": data.get("step"),
         "validate": data.get("validate"),

@@ -20,7 +20,8 @@ from typing import Any
 import orjson
 
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
-from trace_proxy.capture.metadata import KeyHints
+from trace_proxy.capture.metadata import MAX_VALUE_LEN, KeyHints
+from trace_proxy.storenames import store_name
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
@@ -575,7 +576,7 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
         tools=tools,
         upstreams=list(dict.fromkeys(c.upstream for c in calls)),
         weight_versions=[v for v in dict.fromkeys(c.weight_version for c in calls) if v],
-        annotations=open_.annotations,
+        annotations=open_.annotations + store_name_notes(open_.key),
         reward=reward,
         score=score,
         labels=labels,
@@ -590,6 +591,19 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
             "calls_dropped": open_.dropped,
         },
     )
+
+
+def store_name_notes(key: RolloutKey) -> list[dict[str, Any]]:
+    """A note for each of project and experiment whose directory in the store is not named as
+    the value (`trace_proxy.storenames`): the key keeps the value as it was sent."""
+    notes = []
+    for field_name in ("project", "experiment"):
+        value: str = getattr(key, field_name)
+        stored = store_name(value)
+        if stored != value:
+            notes.append({"field": field_name, "source": key.sources.get(field_name, "config"),
+                          "value": value[:MAX_VALUE_LEN], "stored_as": stored})  # fmt: skip
+    return notes
 
 
 def _store_once(calls: list[GenerateCall]) -> None:
