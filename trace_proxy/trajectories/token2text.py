@@ -43,7 +43,7 @@ def load_tokenizer(source: str) -> Any:
             "token2text needs transformers: pip install 'trace-proxy[text]'"
         ) from None
     try:
-        return AutoTokenizer.from_pretrained(source)
+        return AutoTokenizer.from_pretrained(source, trust_remote_code=False)  # code never runs
     except Exception as exc:  # transformers raises many kinds; all mean "not loadable"
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise TokenizerError(f"cannot load tokenizer {source!r}: {reason}") from None
