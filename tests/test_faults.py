@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
+import signal
 import subprocess
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -328,3 +330,86 @@ async def test_a_backend_down_at_start_and_mid_run_gets_every_record_once_when_b
     ids = trajectory_ids(received)
     assert sorted(ids) == sorted(sent), "each trajectory arrived exactly once"
     assert {t["key"]["trajectory_id"] for t in trajectories(tmp_path)} == set(sent)
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as handle:
+        return [int(child) for child in handle.read().split()]
+
+
+async def admin_metric(session: aiohttp.ClientSession, admin: str, name: str) -> float:
+    """A counter of a running `trace-proxy serve`, summed over its labels."""
+    async with session.get(admin + "/metrics") as response:
+        text = await response.text()
+    families = text_string_to_metric_families(text)
+    return sum(s.value for f in families for s in f.samples if s.name == name)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+@pytest.mark.parametrize("victim", ["export", "capture"])
+async def test_a_helper_killed_under_load_is_replaced_and_its_records_reconcile(
+    tmp_path: Path, victim: str
+) -> None:
+    """SIGKILL of the capture or the export process at a random moment under load: forwarding
+    never fails, another process takes over. The export process holds nothing of its own (the
+    spool does): every call is stored exactly once. The capture process holds what it has not
+    spooled yet: each call is stored at most once, and what is missing is counted as lost."""
+    from test_lifecycle import start_serve
+
+    rng = random.Random(f"{victim}-18")
+    total_calls, kill_after = 240, rng.randrange(40, 160)
+    sent: list[str] = []
+    async with scripted_upstream(chaos_upstream) as upstream:
+        process, proxy, admin = await start_serve(upstream, tmp_path)
+        try:
+            capture = children(process.pid)[0]
+            target = capture if victim == "capture" else children(capture)[0]
+            connector = aiohttp.TCPConnector(limit=16)
+            async with aiohttp.ClientSession(connector=connector) as session:
+
+                async def call(tid: str) -> None:
+                    assert await one_call(session, proxy, tid, "ok") == "200"
+                    sent.append(tid)
+                    if len(sent) == kill_after:
+                        os.kill(target, signal.SIGKILL)
+
+                await asyncio.wait_for(
+                    asyncio.gather(*(call(f"call-{i}") for i in range(total_calls))), GUARD * 4
+                )
+                lost, recorded = (
+                    "trace_proxy_capture_dropped_total",
+                    "trace_proxy_calls_recorded_total",
+                )
+
+                async def settled() -> bool:
+                    """Every call recorded or counted as lost by the capture side, and every
+                    record it spooled exported by the export process of the moment."""
+                    done = await admin_metric(session, admin, recorded)
+                    counted = done + await admin_metric(session, admin, lost)
+                    exported = await admin_metric(
+                        session, admin, "trace_proxy_exported_records_total"
+                    )
+                    return counted >= total_calls and exported >= done
+
+                loop = asyncio.get_running_loop()
+                end = loop.time() + GUARD * 2
+                while not await settled():
+                    assert loop.time() < end, "the calls were never accounted for"
+                    await asyncio.sleep(0.1)  # relayed metrics: polled
+                dropped = await admin_metric(session, admin, lost)
+                restarts = await admin_metric(
+                    session, admin, f"trace_proxy_{victim}_process_restarts_total"
+                )
+                assert restarts == 1
+            process.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(process.wait(), GUARD) == 0
+        finally:
+            if process.returncode is None:
+                process.kill()
+                await process.wait()
+    stored = Counter(t["key"]["trajectory_id"] for t in trajectories(tmp_path))
+    assert set(stored) <= set(sent) and all(n == 1 for n in stored.values())
+    if victim == "export":
+        assert dropped == 0 and len(stored) == total_calls
+    else:  # what the child held is counted by what it last reported: an upper bound
+        assert len(stored) + dropped >= total_calls
