@@ -111,7 +111,7 @@ async def one_call(session: aiohttp.ClientSession, proxy: str, tid: str, fault: 
             received = await r.read()
         except aiohttp.ClientPayloadError:
             return "cut"
-        if fault == "ok":
+        if fault == "ok" and r.status == 200:
             assert received == OK_BODY
         if fault == "stream":
             assert received == b"".join(SSE)
@@ -183,6 +183,24 @@ async def test_upstream_and_client_faults_under_load_are_each_recorded_exactly_o
             assert "mid-response" in error["message"]
         else:
             assert error == {"type": "transport", "message": "client disconnected"}, (fault, call)
+
+
+async def test_a_refusing_upstream_answers_502_and_each_call_is_recorded_once(
+    tmp_path: Path,
+) -> None:
+    dead = f"http://127.0.0.1:{closed_port()}"
+    sent = {f"call-{i}": "ok" for i in range(40)}
+    async with running_proxy([dead], tmp_path) as (service, proxy):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=8)) as session:
+            answers = await asyncio.gather(*(one_call(session, proxy, t, "ok") for t in sent))
+        await service.flush()
+        metrics = service.metrics
+    assert set(answers) == {"502"}
+    calls = reconcile(tmp_path, metrics, sent)
+    assert set(calls) == set(sent)
+    assert all(
+        c["http_status"] == 502 and c["error"]["type"] == "transport" for c in calls.values()
+    )
 
 
 @contextlib.asynccontextmanager
