@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 from fakes import FakeVLLM
 from fakes.mlflow_server import EXPERIMENT_HEADER, FakeMlflowServer, OtlpExport, ReceivedSpan
-from proxy_helpers import trajectories
+from proxy_helpers import inline_pipeline, metric, trajectories
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 mlflow = pytest.importorskip("mlflow")
@@ -37,9 +37,12 @@ from mlflow.store.tracking.rest_store import RestStore  # noqa: E402
 from trace_proxy.client import post_reward  # noqa: E402
 from trace_proxy.config import Settings  # noqa: E402
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer  # noqa: E402
+from trace_proxy.exporters.base import ExportRejected  # noqa: E402
 from trace_proxy.exporters.jsonl import JsonlExporter  # noqa: E402
 from trace_proxy.exporters.mlflow import MlflowExporter, create, trace_id_of  # noqa: E402
+from trace_proxy.exporters.mlflow_names import label_tag, literal, substitute  # noqa: E402
 from trace_proxy.proxy.service import ProxyService  # noqa: E402
+from trace_proxy.storenames import digest  # noqa: E402
 from trace_proxy.trajectories.prompts import transcript_of  # noqa: E402
 from trace_proxy.trajectories.record import (  # noqa: E402
     Annotation,
@@ -349,6 +352,11 @@ def test_errors_and_a_file_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert root.status.description == "1 of 1 calls failed; call 0: http_503: overloaded"
 
 
+def run_name(name: str) -> str:
+    """The name of the run for a record's experiment: longer names do not fit MLflow's column."""
+    return name if len(name) <= 250 else substitute(name, 250)
+
+
 @pytest.mark.parametrize("store", ["sqlite", "file"])
 def test_names_from_requests_are_data_not_paths(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
@@ -378,9 +386,134 @@ def test_names_from_requests_are_data_not_paths(
         experiment = client.get_experiment_by_name(name)
         assert experiment is not None
         [run] = client.search_runs([experiment.experiment_id])
-        assert run.info.run_name == name
+        assert run.info.run_name == run_name(name)
         trace = client.get_trace(trace_id_of(f"{number:032x}"))
         assert trace.info.experiment_id == experiment.experiment_id
+
+
+# Names MLflow's search filters cannot quote as they are: its parser (sqlparse) has no escapes,
+# so a value is whatever lies between two `'` or two `"`; and its file store looks an experiment
+# up with `name = '<name>'`, unquoted, so there a `'` breaks the lookup or changes the filter.
+QUOTED = ["it's", 'say "hi"', "it's \"both\"", "'", '"', "'\"", "a\\", "\\'\"",
+          "x' AND name LIKE '%", ("q'\"" * 86)[:256]]  # fmt: skip
+
+
+@pytest.mark.parametrize("store", ["sqlite", "file"])
+def test_names_with_quotes_find_their_experiment_and_run_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    """Each such name gets one experiment and one run, found again by a restarted exporter;
+    on the file store a name with `'` gets an experiment of another name that keeps the name
+    as a tag, since MLflow itself cannot look it up there."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}" if store == "sqlite" else (tmp_path / "m").as_uri()
+    for restart in range(2):
+        exporter = MlflowExporter(uri, "default", None)
+        for number, name in enumerate(QUOTED):
+            record = trajectory(f"{restart}{number:031x}", 1, project=name)
+            record.key.experiment = name
+            summary = StepSummary(project=name, experiment=name, step=1, validate=False,
+                                  trajectories_kept=1)  # fmt: skip
+            exporter.export([record, summary])
+        exporter.close()
+    client = MlflowClient(uri)
+    experiments = set()
+    for number, name in enumerate(QUOTED):
+        first, second = (client.get_trace(trace_id_of(f"{r}{number:031x}")) for r in range(2))
+        experiment = client.get_experiment(first.info.experiment_id)
+        assert second.info.experiment_id == experiment.experiment_id
+        experiments.add(experiment.experiment_id)
+        if store == "sqlite" or "'" not in name:
+            assert experiment.name == name
+        else:
+            assert "'" not in experiment.name
+            assert experiment.tags["trace_proxy.project"] == name
+        [run] = client.search_runs([experiment.experiment_id])
+        assert run.info.run_name == run_name(name)
+        for trace in (first, second):
+            assert trace.info.trace_metadata["mlflow.sourceRun"] == run.info.run_id
+            assert trace.info.tags["experiment_name"] == name
+        history = client.get_metric_history(run.info.run_id, "trace_proxy/trajectories_kept")
+        assert len(history) == 2
+    assert len(experiments) == len(QUOTED)
+
+
+def test_filter_literals_substitutes_and_label_tags() -> None:
+    assert literal("it's") == '"it\'s"' and literal('say "hi"') == "'say \"hi\"'"
+    assert literal("a\\") == "'a\\'" and literal("x' AND name LIKE '%") is not None
+    assert [name for name in QUOTED if literal(name) is None] == [
+        name for name in QUOTED if "'" in name and '"' in name
+    ]
+    names = [*QUOTED, "n" * 600, "n" * 601]
+    for limit in (250, 500):
+        stored = {substitute(name, limit) for name in names}
+        assert len(stored) == len(names)
+        assert all(len(s) <= limit and "'" not in s for s in stored)
+    assert label_tag("correct") == "label.correct" and label_tag("a/b c:d") == "label.a/b c:d"
+    assert label_tag("pass@1") != label_tag("pass#1")
+    assert all(len(label_tag(n)) <= 250 for n in ("l" * 300, "a/../b", "x//y", "\x00"))
+
+
+def test_an_experiment_name_over_mlflows_limit_gets_a_substitute(tracking_uri: str) -> None:
+    """Requests name projects of at most 256 characters; a longer default project (possible
+    through the Python API only) gets an experiment named by its substitute."""
+    project = "p" * 600
+    for restart in range(2):
+        exporter = MlflowExporter(tracking_uri, project)
+        exporter.export([trajectory(f"{restart + 6}" * 32, 1, project="")])
+        exporter.close()
+    client = MlflowClient(tracking_uri)
+    experiment = client.get_experiment_by_name(substitute(project, 500))
+    assert experiment.tags["trace_proxy.project"] == project
+    found = mlflow.search_traces(locations=[experiment.experiment_id], return_type="list")
+    assert sorted(t.info.trace_id for t in found) == ["tr-" + "6" * 32, "tr-" + "7" * 32]
+
+
+async def test_a_record_mlflow_refuses_for_good_is_dropped_and_the_others_go_out(
+    tracking_uri: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record MLflow refuses as invalid (here a run name, refused by injection) would fail
+    every retry: it is dropped and counted, and the records after it still go out. Labels that
+    are no valid MLflow tag names (`pass@1`) become tags of valid names instead of refusals."""
+    create_run = MlflowClient.create_run
+
+    def refusing(self: MlflowClient, experiment_id: str, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("run_name") == "refused":
+            raise MlflowException.invalid_parameter_value("this run name is refused")
+        return create_run(self, experiment_id, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "create_run", refusing)
+    records = [trajectory(f"{number:032x}", 1, "refusals") for number in range(1, 5)]
+    records[1].key.experiment = "refused"
+    labels = {"pass@1": True, "a/../b": 1, "l" * 300: "long", "ok": "yes"}
+    records[2].labels = dict(labels)
+    late = Annotation(project="refusals", experiment="exp", step=1, validate=True,
+                      target={"trajectory_id": "t"}, trajectories=[records[3].id], time=0.0,
+                      labels={"pass@1": False})  # fmt: skip
+    pipeline, metrics = inline_pipeline(tmp_path / "spool", [MlflowExporter(tracking_uri, "x")])
+    await pipeline.start()
+    try:
+        for record in [*records, late]:
+            pipeline.submit(record)
+        await asyncio.wait_for(pipeline.flush(), 60)  # a record retried forever never flushes
+    finally:
+        await pipeline.close(timeout=1.0)
+    assert metric(metrics, "trace_proxy_export_dropped_total", backend="mlflow",
+                  reason="rejected") == 1  # fmt: skip
+    assert metric(metrics, "trace_proxy_exported_records_total", backend="mlflow") == 4
+    experiment_id = MlflowClient(tracking_uri).get_experiment_by_name("refusals").experiment_id
+    found = mlflow.search_traces(locations=[experiment_id], return_type="list")
+    assert sorted(t.info.trace_id for t in found) == [
+        trace_id_of(records[number].id) for number in (0, 2, 3)
+    ]
+    tags = mlflow.get_trace(trace_id_of(records[2].id)).info.tags
+    labelled = {k: v for k, v in tags.items() if k.startswith("label.")}
+    assert labelled["label.ok"] == "yes"
+    assert sorted(labelled.values()) == ["1", "long", "true", "yes"]
+    assert all(len(k) <= 250 and re.fullmatch(r"[\w.\- :/]+", k) for k in labelled)
+    assert any(k.startswith("label.pass_1") for k in labelled)
+    late_tags = mlflow.get_trace(trace_id_of(records[3].id)).info.tags
+    assert [v for k, v in late_tags.items() if k.startswith("label.pass_1")] == ["false"]
 
 
 def test_server_path_puts_the_tags_on_the_root_span(tracking_uri: str) -> None:
@@ -543,7 +676,10 @@ async def test_http_path_exports_recorded_trajectories_over_otlp(
     assert search["filter"] == "attributes.run_name = 'grpo-7b'"
     [create] = bodies(fake, CREATE_RUN)
     assert (create["experiment_id"], create["run_name"]) == (experiment_id, "grpo-7b")
-    assert create["tags"] == [{"key": "mlflow.source.name", "value": "trace-proxy"}]
+    assert create["tags"] == [
+        {"key": "mlflow.source.name", "value": "trace-proxy"},
+        {"key": "trace_proxy.name_digest", "value": digest("grpo-7b")},
+    ]
     [update] = bodies(fake, UPDATE_RUN)
     assert (update["run_id"], update["status"]) == (run_id, "FINISHED")
     assert run["info"]["status"] == "FINISHED"
@@ -714,9 +850,10 @@ async def test_http_path_run_by_id_or_name_summaries_and_late_rewards(
     ]  # fmt: skip
     assert [b["run_id"] for b in bodies(fake, UPDATE_RUN)] == [quoted]  # only the one it made
 
-    # A deleted experiment is an error (retried until restored), not silently recreated.
+    # A deleted experiment is not silently recreated, and its records are dropped, not retried
+    # until someone restores it: any request can name one, and the others would wait.
     fake.add_experiment("gone", lifecycle_stage="deleted")
-    with pytest.raises(MlflowException, match="is deleted"):
+    with pytest.raises(ExportRejected, match="is deleted"):
         await asyncio.to_thread(
             MlflowExporter(url, "gone", None).export, [trajectory("33" * 16, 1, "gone")]
         )

@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -493,3 +494,48 @@ def test_a_re_rendered_token_conversation_and_a_failed_call(
     assert call["metadata"]["http_status"] == 502 and call["output"] is None
     assert broken["messages"][0]["role"] == "user"  # the prompt, not decoded: said so
     assert "--token2text" in broken["messages"][0]["content"]
+
+
+def writer_threads() -> int:
+    """trackio's writer threads: one per open run."""
+    return sum("_local_batch_sender" in t.name for t in threading.enumerate())
+
+
+def test_open_runs_are_bounded_and_a_reopened_run_continues(
+    trackio_dir: Path, project: str
+) -> None:
+    """Requests can name any number of experiments, and each open trackio run holds a writer
+    thread: at most `max_open_runs` stay open, the least recently used one is finished, and one
+    needed again is reopened, so its traces continue in the same run, not a new one of the
+    same name."""
+    from trace_proxy.trajectories.record import RolloutKey, Trajectory
+
+    def record(number: int, experiment: str, step: int) -> Trajectory:
+        key = RolloutKey(project=project, experiment=experiment, step=step,
+                         trajectory_id=f"{experiment}/{step}/{number}")  # fmt: skip
+        return Trajectory(id=f"{experiment}-{step}-{number}", key=key, start=1.0, end=2.0,
+                          status="ok", close_reason="done", calls=[])  # fmt: skip
+
+    exporter = TrackioExporter(project, trackio_dir, max_open_runs=4)
+    from trackio.sqlite_storage import SQLiteStorage  # after the exporter set its directory
+
+    before = writer_threads()
+    experiments = [f"e{n}" for n in range(10)]
+    for step in range(2):  # the same experiments again: each run reopened once
+        for experiment in experiments:
+            exporter.export([record(0, experiment, step)])
+            assert writer_threads() - before <= 4
+    # One batch naming more runs than may be open: opened and written a few at a time.
+    exporter.export([record(n, e, 2) for n in range(2) for e in experiments])
+    assert writer_threads() - before <= 4
+    exporter.close()
+    assert writer_threads() == before
+
+    runs = [r for r in SQLiteStorage.get_run_records(project)]
+    assert sorted(r["name"] for r in runs) == experiments  # one run each: none duplicated
+    for run in runs:
+        found = SQLiteStorage.get_traces(project, run_id=run["id"])
+        assert sorted(t["metadata"]["trajectory_id"] for t in found) == sorted(
+            f"{run['name']}/{step}/{n}" for step, n in ((0, 0), (1, 0), (2, 0), (2, 1))
+        )
+        assert sorted(t["step"] for t in found) == [0, 1, 2, 2]

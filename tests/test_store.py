@@ -12,11 +12,15 @@ import pytest
 from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.show import iter_records, show
 from trace_proxy.trajectories.record import (
+    Annotation,
+    CallError,
     GenerateCall,
     Output,
     Prompt,
     RolloutKey,
     StepEvent,
+    StepSummary,
+    ToolCall,
     Trajectory,
 )
 
@@ -95,6 +99,58 @@ def test_show_prints_one_line_per_call(tmp_path: Path) -> None:
     out = io.StringIO()
     show(tmp_path, step=2, out=out)
     assert "step 1" not in out.getvalue() and "step 2" in out.getvalue()
+
+
+# What a terminal acts on: OSC (set the title, BEL-terminated), CSI (clear, colours, as ESC [
+# and as the C1 byte), cursor moves, NUL, DEL, a right-to-left override; then readable text.
+EVIL = "\x1b]0;owned\x07\x1b[2J\x9b31m\x1b[1A\x00\x7f\u202e\r\t\x08 é 中文"
+
+
+def test_show_prints_no_control_characters_from_records(tmp_path: Path) -> None:
+    """Every string `show` prints from a record came from a request or a response: control
+    and other non-printable characters are written as escapes (`\\x1b`), never as they are;
+    other text stays readable."""
+    call = GenerateCall(
+        index=0, dialect=EVIL, route=EVIL, upstream=EVIL, start=10.0, end=11.0, http_status=500,
+        model=EVIL, prompt=Prompt(messages=[{"role": EVIL, "content": EVIL}]),
+        outputs=[Output(index=0, text=EVIL, finish_reason=EVIL,
+                        tool_calls=[{"function": {"name": EVIL, "arguments": EVIL}}])],
+        error=CallError(type=EVIL, message=EVIL),
+    )  # fmt: skip
+    unparsed = GenerateCall(index=1, dialect="openai.completions", route="/v1/completions",
+                            upstream="u", start=11.0, end=11.5, unparsed=EVIL,
+                            prompt=Prompt(text=EVIL))  # fmt: skip
+    decoded = GenerateCall(index=2, dialect="vllm.generate", route="/generate", upstream="u",
+                           start=11.5, end=12.0, prompt=Prompt(token_ids=[1]), prompt_text=EVIL,
+                           outputs=[Output(index=0, response_text=EVIL)])  # fmt: skip
+    tools = [
+        ToolCall(index=0, observed=EVIL, start=11.0, end=11.2, name=EVIL, arguments=EVIL,
+                 result=EVIL, requested_by=0, route=EVIL, error=CallError(EVIL, EVIL)),
+        ToolCall(index=1, observed="parsed_from_text", start=11.0, end=None, raw=EVIL),
+    ]  # fmt: skip
+    key = RolloutKey(project=EVIL, experiment=EVIL, step=1, sample_index=0,
+                     trajectory_id=EVIL)  # fmt: skip
+    record = Trajectory(id=EVIL, key=key, start=10.0, end=12.0, status="error",
+                        close_reason=EVIL, calls=[call, unparsed, decoded], tools=tools,
+                        labels={EVIL: EVIL})  # fmt: skip
+    event = StepEvent(event=EVIL, route=EVIL, upstream=EVIL, time=11.0, project=EVIL,
+                      experiment=EVIL, http_status=200, weight_version=EVIL)  # fmt: skip
+    summary = StepSummary(project=EVIL, experiment=EVIL, step=1, validate=False)
+    late = Annotation(project=EVIL, experiment=EVIL, step=1, validate=False,
+                      target={"trajectory_id": EVIL}, trajectories=[], time=12.0,
+                      labels={EVIL: EVIL})  # fmt: skip
+    store = JsonlExporter(tmp_path)
+    store.export([record, event, summary, late])
+    store.close()
+    out = io.StringIO()
+    assert show(tmp_path, out=out, width=1000) == 0
+    text = out.getvalue()
+    assert [c for c in text if c != "\n" and not c.isprintable()] == []
+    shown = "\\x1b]0;owned\\x07\\x1b[2J\\x9b31m\\x1b[1A\\x00\\x7f\\u202e\\r\\t\\x08 é 中文"
+    assert text.count(shown) == 31  # every field printed, whole
+    header = f"== {shown}/{shown} · step 1 · sample 0 · id {shown}  [error, closed: {shown}; "
+    assert header + f"{shown}={shown}]" in text
+    assert f"-- event {shown} version {shown} ({shown} -> 200) {shown}/{shown}" in text
 
 
 def test_show_on_a_missing_directory(tmp_path: Path) -> None:

@@ -2,6 +2,10 @@
 
 One header line per trajectory (its key, status, size, duration), then one line per call: what
 was asked (the newest message, or decoded prompt text) and what came back (text, tool calls).
+
+Nearly every string of a record came from a request or a response (names, ids, models, routes,
+tool calls, error messages, labels), so every line goes through `printable` on its way out:
+an escape sequence in a project name is shown as `\x1b[...`, never acted on by the terminal.
 """
 
 from __future__ import annotations
@@ -39,24 +43,28 @@ def show(
 ) -> int:
     root = Path(directory)
     if not root.is_dir():
-        print(f"trace-proxy: error: {root} is not a directory", file=sys.stderr)
+        print(f"trace-proxy: error: {printable(str(root))} is not a directory", file=sys.stderr)
         return 1
+
+    def write(line: str) -> None:
+        out.write(printable(line) + "\n")
+
     shown = events = 0
     for records in _by_experiment(root):
         for line in _apply_annotations(records):
-            out.write(line + "\n")
+            write(line)
         for record in _ordered(records):
             key = record.get("key") or record
             if experiment is not None and key.get("experiment") != experiment:
                 continue
             if record.get("record") == "event":
                 if step is None:
-                    out.write(_event_line(record) + "\n")
+                    write(_event_line(record))
                     events += 1
                 continue
             if record.get("record") == "step_summary":
                 if step is None or record.get("step") == step:
-                    out.write(_summary_line(record) + "\n")
+                    write(_summary_line(record))
                 continue
             if record.get("record") != "trajectory":
                 continue
@@ -64,19 +72,19 @@ def show(
                 continue
             if limit is not None and shown >= limit:
                 break
-            out.write(_trajectory_header(record) + "\n")
+            write(_trajectory_header(record))
             calls = record.get("calls") or []
             tools_after: dict[int | None, list[dict[str, Any]]] = {}
             for tool in record.get("tools") or []:
                 tools_after.setdefault(tool.get("requested_by"), []).append(tool)
             for tool in tools_after.pop(None, []):
-                out.write(_tool_line(tool, width) + "\n")
+                write(_tool_line(tool, width))
             for call, prompt in zip(calls, expand_prompts(record), strict=True):
-                out.write(_call_line(call, prompt, width) + "\n")
+                write(_call_line(call, prompt, width))
                 for tool in tools_after.get(call.get("index"), []):
-                    out.write(_tool_line(tool, width) + "\n")
+                    write(_tool_line(tool, width))
             shown += 1
-    out.write(f"{shown} trajectories, {events} step events under {root}\n")
+    write(f"{shown} trajectories, {events} step events under {root}")
     return 0
 
 
@@ -268,6 +276,16 @@ def _event_line(event: dict[str, Any]) -> str:
     )
 
 
+def printable(text: str) -> str:
+    """`text` with every character a terminal could act on (C0 and C1 controls, DEL, bidi
+    overrides, line separators, lone surrogates: all `str.isprintable` refuses) written as an
+    escape, the way `repr` writes it (`\x1b`, `\n`, `\u202e`); other text, in any script,
+    as it is."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _clip(text: str, width: int) -> str:
-    text = text.replace("\n", "\\n")
+    """At most `width` characters of `text` (escaped later, so no escape is cut in two)."""
     return text if len(text) <= width else text[: max(0, width - 1)] + "…"

@@ -29,7 +29,12 @@ steps under `trace_proxy/validate/`). Step events are not exported.
 The project (the MLflow experiment) and the record's experiment (the run's name) come from
 requests and are given to MLflow as sent: MLflow 3.17 keeps names in its database (or a file
 store's meta.yaml) and names directories by ids, so no name becomes a path (a test sends
-`../..`, absolute paths, NUL and 256-character names to both stores).
+`../..`, absolute paths, NUL and 256-character names to both stores). Names MLflow cannot
+search for or store as they are (quotes, lengths, label names that are no tag names) are
+handled in `mlflow_names.py`. A record MLflow refuses as invalid (`INVALID_PARAMETER_VALUE`,
+`BAD_REQUEST`) would be refused on every retry: it is rejected (`ExportRejected`), so the
+pipeline drops and counts it and the records after it still go out. So is a record whose
+experiment was deleted in MLflow, since anyone sending requests can name one.
 """
 
 from __future__ import annotations
@@ -47,6 +52,16 @@ from urllib.parse import urlsplit
 
 import orjson
 
+from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.mlflow_names import (
+    MAX_EXPERIMENT_TAG_VALUE,
+    NAME_DIGEST_TAG,
+    PROJECT_TAG,
+    label_tag,
+    literal,
+    substitute,
+)
+from trace_proxy.storenames import digest
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import Annotation, Record, StepSummary, Trajectory, dumps
 
@@ -79,6 +94,10 @@ SPANS_PER_CALL = 500  # spans per log_spans request
 PREVIEW_CHARS = 1000  # MLflow's own request/response preview length
 _HEX32 = re.compile(r"[0-9a-f]{32}")
 _NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
+# MLflow's answer to a request that is invalid as it is: retrying the same record cannot help.
+REFUSED = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST"})
+MAX_EXPERIMENT_NAME = 500  # MLflow refuses longer experiment names
+MAX_RUN_NAME = 250  # the run table's name column (PostgreSQL and MySQL refuse longer names)
 
 
 def _ns(seconds: float) -> int:
@@ -304,7 +323,7 @@ def outcome_tags(reward: Any, score: Any, labels: Any) -> dict[str, str]:
     if score is not None:
         tags["score"] = _tag_value(score)
     for name, value in (labels or {}).items():
-        tags[f"label.{name}"] = _tag_value(value)
+        tags[label_tag(name)] = _tag_value(value)
     return tags
 
 
@@ -535,6 +554,16 @@ class MlflowExporter:
         return self._client, self._tracing
 
     def export(self, records: list[Record]) -> None:
+        try:
+            self._export(records)
+        except MlflowException as exc:
+            if exc.error_code not in REFUSED:
+                raise
+            raise ExportRejected(
+                f"mlflow: {self.tracking_uri} refused it ({exc.error_code}): {exc.message}"
+            ) from exc
+
+    def _export(self, records: list[Record]) -> None:
         traces: list[tuple[TraceRecord, str]] = []  # (trace, experiment id)
         for record in records:
             if not isinstance(record, Trajectory):
@@ -566,29 +595,51 @@ class MlflowExporter:
     # --- experiments and runs ---
 
     def experiment_id(self, name: str) -> str:
+        """The experiment named `name`, found or created; when the store cannot hold or find
+        that name (see mlflow_names.py), the one named by its substitute."""
         cached = self._experiments.get(name)
         if cached is not None:
             return cached
-        client, _ = self._clients()
-        experiment = client.get_experiment_by_name(name)
-        if experiment is None:
+        experiment_id: str | None = None
+        if len(name) <= MAX_EXPERIMENT_NAME and not (self._file_store and "'" in name):
             try:
-                experiment_id = str(client.create_experiment(name))
+                experiment_id = self._experiment_named(name)
+            except MlflowException as exc:  # e.g. a server whose own store is a file store
+                if exc.error_code not in REFUSED:
+                    raise
+                log.warning("mlflow: experiment name %r refused (%s); using a substitute",
+                            name, exc.message)  # fmt: skip
+        if experiment_id is None:
+            stored = substitute(name, MAX_EXPERIMENT_NAME)
+            experiment_id = self._experiment_named(stored, name)
+            if experiment_id is None:
+                raise ExportRejected(f"mlflow: the store finds no experiment named {stored!r}")
+        self._experiments[name] = experiment_id
+        return experiment_id
+
+    def _experiment_named(self, stored: str, project: str | None = None) -> str | None:
+        """The id of the experiment named `stored`, created if missing (tagged with `project`
+        when that is what it stands for); None when the store finds another one for it."""
+        client, _ = self._clients()
+        experiment = client.get_experiment_by_name(stored)
+        if experiment is None:
+            tags = {PROJECT_TAG: project[:MAX_EXPERIMENT_TAG_VALUE]} if project else None
+            try:
+                return str(client.create_experiment(stored, tags=tags))
             except MlflowException as exc:
                 if exc.error_code != "RESOURCE_ALREADY_EXISTS":
                     raise
-                experiment = client.get_experiment_by_name(name)  # created meanwhile
+                experiment = client.get_experiment_by_name(stored)  # created meanwhile
                 if experiment is None:
                     raise
-                experiment_id = str(experiment.experiment_id)
-        elif experiment.lifecycle_stage != "active":
-            raise MlflowException(
-                f"MLflow experiment {name!r} is deleted: restore it, or choose another project"
+        if experiment.name != stored:
+            return None
+        if experiment.lifecycle_stage != "active":
+            raise ExportRejected(
+                f"mlflow: experiment {experiment.name!r} is deleted: its records are dropped "
+                "until it is restored"
             )
-        else:
-            experiment_id = str(experiment.experiment_id)
-        self._experiments[name] = experiment_id
-        return experiment_id
+        return str(experiment.experiment_id)
 
     def run_id(self, experiment_id: str, experiment_name: str) -> str:
         """The run traces are linked to: `run` as a run id if one exists, else as a run name
@@ -607,10 +658,16 @@ class MlflowExporter:
                 if exc.error_code != _NOT_FOUND:
                     raise
         if run_id is None:
-            quote = '"' if "'" in name else "'"
+            # By name, else (a name no filter can quote, or one too long to be stored) by the
+            # hash of the name that every run created here carries as a tag.
+            quoted = literal(name) if len(name) <= MAX_RUN_NAME else None
+            if quoted is not None:
+                by = f"attributes.run_name = {quoted}"
+            else:
+                by = f"tags.`{NAME_DIGEST_TAG}` = '{digest(name)}'"
             found = client.search_runs(
                 [experiment_id],
-                filter_string=f"attributes.run_name = {quote}{name}{quote}",
+                filter_string=by,
                 max_results=1,
                 order_by=["attributes.start_time DESC"],
             )
@@ -618,7 +675,9 @@ class MlflowExporter:
                 run_id = str(found[0].info.run_id)
             else:
                 created = client.create_run(
-                    experiment_id, run_name=name, tags={"mlflow.source.name": "trace-proxy"}
+                    experiment_id,
+                    run_name=name if len(name) <= MAX_RUN_NAME else substitute(name, MAX_RUN_NAME),
+                    tags={"mlflow.source.name": "trace-proxy", NAME_DIGEST_TAG: digest(name)},
                 )
                 run_id = str(created.info.run_id)
                 self._created_runs.append(run_id)

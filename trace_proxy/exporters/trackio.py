@@ -24,6 +24,15 @@ step, with the conversation, the execution tree and the metadata (reward, key, t
   own and logged through its `Run` object (module-level `trackio.log` does not work from the
   export thread). A restarted proxy starts a new run with the same name (`resume="never"`):
   resuming would overwrite the run's config, which may be the trainer's own.
+- Open runs are bounded: each holds a writer thread, and requests can name any number of
+  experiments, so at most `max_open_runs` (16) stay open; the least recently used one is
+  finished (its traces are already written) and reopened when needed again. A reopened run
+  continues under its id (`trackio.Run(run_id=...)`, as `trackio.init` builds one), not through
+  `trackio.init(resume="allow")`, which takes the newest run of that name: the trainer's own when
+  it logs to the same project under the experiment's name (verl does), whose config it would
+  overwrite. The ids of the latest 4,096 runs made here are remembered; a run forgotten by then
+  is started again as a new run of the same name. A batch naming more runs than may be open is
+  written a few runs at a time, so a failure there may log the runs already written again.
 - Step: the trajectory's step; trajectories without one are logged at step 0 with
   `metadata.step = None`. Validation trajectories share the step and carry `validate: true`.
 - Messages, the whole multi-turn conversation: for chat dialects the last call's full messages
@@ -51,6 +60,7 @@ import contextvars
 import logging
 import os
 import sys
+from collections import OrderedDict
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -76,12 +86,17 @@ OPERATIONS = {
     "sglang.generate": "generate",
 }
 JSON = dict[str, Any]
+MAX_OPEN_RUNS = 16  # runs open at once, each with a writer thread of its own
+REMEMBERED = 4096  # ids of runs made here (to reopen them), and projects trackio refuses
+Where = tuple[str, str]  # (trackio project, run name)
 
 
 class TrackioExporter:
     name = "trackio"
 
-    def __init__(self, project: str, directory: Path | None = None) -> None:
+    def __init__(
+        self, project: str, directory: Path | None = None, *, max_open_runs: int = MAX_OPEN_RUNS
+    ) -> None:
         """`project`: where records that name no project go (records keep the project of
         their key, as in the jsonl store); `directory`: trackio's TRACKIO_DIR."""
         self._trackio = _import_trackio(directory)
@@ -90,11 +105,13 @@ class TrackioExporter:
         self._storage = SQLiteStorage
         self.project = project
         self.directory = Path(self._trackio.utils.TRACKIO_DIR)
-        self._runs: dict[tuple[str, str], Any] = {}
-        self._refused: set[str] = set()
+        self.max_open_runs = max(1, max_open_runs)
+        self._runs: OrderedDict[Where, Any] = OrderedDict()  # open, least recently used first
+        self._run_ids: OrderedDict[Where, str] = OrderedDict()  # runs made here, newest last
+        self._refused: OrderedDict[str, None] = OrderedDict()  # projects trackio refuses
 
     def export(self, records: list[Record]) -> None:
-        logged: list[tuple[tuple[str, str], int, str, Any]] = []
+        logged: dict[Where, list[tuple[int, str, Any]]] = {}  # by run, in record order
         for record in records:
             if isinstance(record, Trajectory):
                 key = record.key
@@ -112,22 +129,27 @@ class TrackioExporter:
             except Exception:  # a record this code cannot render: retrying will not help
                 log.exception("trackio: could not render record %s", _record_id(record))
                 continue
-            logged.append((where, 0 if step is None else step, name, trace))
-        # Every run first: a failure raises before anything is logged, so a retry repeats nothing.
-        for where in dict.fromkeys(where for where, *_ in logged):
-            self._run(*where)
-        for where, step, name, trace in logged:
-            self._runs[where].log({name: trace}, step=step)
-        for where in dict.fromkeys(where for where, *_ in logged):
-            _persist(self._runs[where])
+            logged.setdefault(where, []).append((0 if step is None else step, name, trace))
+        # Every run first: a failure raises before anything is logged, so a retry repeats nothing
+        # (a batch naming more runs than may be open: for each part of it).
+        places = list(logged)
+        for first in range(0, len(places), self.max_open_runs):
+            part = places[first : first + self.max_open_runs]
+            runs = [self._run(*where) for where in part]
+            for where, run in zip(part, runs, strict=True):
+                for step, name, trace in logged[where]:
+                    run.log({name: trace}, step=step)
+            for run in runs:
+                _persist(run)
 
     def close(self) -> None:
-        runs, self._runs = self._runs, {}
+        runs, self._runs = self._runs, OrderedDict()
         for run in runs.values():
             run.finish()  # waits for the run's writer thread
 
     def _valid_project(self, project: str) -> bool:
         if project in self._refused:
+            self._refused.move_to_end(project)
             return False
         try:
             self._storage.validate_project_name(project)
@@ -136,29 +158,46 @@ class TrackioExporter:
             if os.path.commonpath([directory, database]) != directory:  # never, in trackio 0.43
                 raise ValueError(f"its database {database} would be outside {directory}")
         except ValueError as exc:
-            self._refused.add(project)
+            _remember(self._refused, project, None)
             log.error("trackio: records of project %r are not exported: %s", project, exc)
             return False
         return True
 
     def _run(self, project: str, experiment: str) -> Any:
-        run = self._runs.get((project, experiment))
-        if run is None:
+        """The open run of (project, experiment): opened, reopened or made as needed, after
+        finishing the least recently used ones beyond the bound."""
+        where = (project, experiment)
+        run = self._runs.get(where)
+        if run is not None:
+            self._runs.move_to_end(where)
+            return run
+        while len(self._runs) >= self.max_open_runs:
+            _, oldest = self._runs.popitem(last=False)
+            oldest.finish()  # its traces are written (`_persist`): stops its writer thread
+        config = {"logged_by": "trace-proxy", "experiment_name": experiment}
+        run_id = self._run_ids.get(where)
+        if run_id is not None:  # reopened: the same run, by id (see the module's docstring)
+            run = self._trackio.Run(
+                url=None, project=project, client=None, name=experiment, run_id=run_id,
+                config=config, auto_log_cpu=False, auto_log_gpu=False,
+            )  # fmt: skip
+        else:
             # A context of its own: trackio.init finishes the context's current run otherwise.
             run = contextvars.Context().run(
                 self._trackio.init,
                 project=project,
                 name=experiment,
-                config={"logged_by": "trace-proxy", "experiment_name": experiment},
+                config=config,
                 resume="never",
                 embed=False,
                 auto_log_cpu=False,
                 auto_log_gpu=False,
             )
-            self._runs[(project, experiment)] = run
             log.info("trackio: traces go to run %r of project %r; view them with: "
                      "TRACKIO_DIR=%s trackio show --project %s", experiment, project,
                      self.directory, project)  # fmt: skip
+        self._runs[where] = run
+        _remember(self._run_ids, where, str(run.id))
         return run
 
     def _trace(self, record: Trajectory | Annotation) -> Any:
@@ -587,6 +626,14 @@ def _persist(run: Any) -> None:
     if lock is not None and flush is not None:
         with lock:
             flush()
+
+
+def _remember(latest: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    """`latest[key] = value`, newest last, keeping the latest `REMEMBERED` entries."""
+    latest[key] = value
+    latest.move_to_end(key)
+    while len(latest) > REMEMBERED:
+        latest.popitem(last=False)
 
 
 def _record_id(record: Record) -> str:
