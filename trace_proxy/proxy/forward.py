@@ -23,6 +23,7 @@ from trace_proxy.proxy.headers import (
     client_response_headers,
     upstream_request_fields,
 )
+from trace_proxy.proxy.limits import RequestBodyTimeout
 from trace_proxy.proxy.upstream_client import UpstreamClient, UpstreamConnection, UpstreamError
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 
@@ -107,13 +108,13 @@ class Forwarder:
         exchange: Exchange | None,
         start: float,
     ) -> web.StreamResponse:
-        body = await _request_body(request, exchange)
         fields = upstream_request_fields(
             request.raw_headers, request.remote, request.scheme, request.host
         )
         response: web.StreamResponse | None = None
         upstream_response: UpstreamConnection | None = None
         try:
+            body = await _request_body(request, exchange)
             upstream_response = await self._client.request(
                 upstream.base, request.method, target, fields, body
             )
@@ -142,6 +143,8 @@ class Forwarder:
             raise
         except UpstreamError as exc:
             return self._fail(request, response, exchange, kind, upstream, exc)
+        except RequestBodyTimeout as exc:  # counted and logged by the listener (limits.py)
+            return self._client_too_slow(request, response, exchange, kind, str(exc))
         except ConnectionResetError as exc:  # writing to a client that has left
             self._note(exchange, kind, "client disconnected", None)
             raise asyncio.CancelledError from exc
@@ -159,6 +162,32 @@ class Forwarder:
             exchange.error = exchange.error or error
         status_class = f"{status // 100}xx" if status else "none"
         self._requests(kind.value, status_class).inc()
+
+    def _client_too_slow(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse | None,
+        exchange: Exchange | None,
+        kind: RouteKind,
+        detail: str,
+    ) -> web.StreamResponse:
+        """408, as nginx answers a body that does not arrive; the connection is closed, since
+        the rest of the body may still come."""
+        self._note(exchange, kind, f"client too slow: {detail}", 408)
+        if response is not None:  # not expected: the body is sent before the answer starts
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        if exchange is not None:
+            exchange.status = 408
+        payload = {
+            "error": {"message": f"trace-proxy: {detail}", "type": "client_timeout", "code": 408}
+        }
+        answer = web.Response(
+            status=408, body=orjson.dumps(payload), content_type="application/json"
+        )
+        answer.force_close()
+        return answer
 
     def _fail(
         self,

@@ -26,6 +26,7 @@ from trace_proxy.config import Settings
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.metrics import Metrics, exposition
 from trace_proxy.proxy.forward import Forwarder
+from trace_proxy.proxy.limits import ClientLimits, LimitedServer, Rejections
 from trace_proxy.proxy.upstream_client import UpstreamClient
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
@@ -97,8 +98,16 @@ class ProxyService:
             tool_routes=self.tool_routes,
         )
         await self.recorder.start()
-        server = web.Server(
+        limits = ClientLimits(
+            header_timeout=settings.client_header_timeout,
+            body_timeout=settings.client_body_timeout,
+            max_header_size=settings.max_header_size,
+            max_headers=settings.max_headers,
+        )
+        server = LimitedServer(
             forwarder.handle,
+            limits,
+            Rejections(self.metrics),
             handler_cancellation=True,  # a client that leaves cancels its upstream request
             auto_decompress=False,
             access_log=None,
