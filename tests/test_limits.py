@@ -1,4 +1,5 @@
-"""The limits a client meets: time to send a request, and the size of its head.
+"""The limits a client meets: time to send a request, size of its head, and bodies too large
+to record.
 
 Slow clients are played over raw sockets, sending slowly on purpose; every cut is awaited with
 a deadline, never assumed after a sleep.
@@ -7,14 +8,18 @@ a deadline, never assumed after a sleep.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import tracemalloc
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from proxy_helpers import all_calls, metric, running_proxy, scripted_upstream
+from proxy_helpers import all_calls, events, metric, running_proxy, scripted_upstream
 
 GUARD = 20.0  # seconds: a failure bound, not a synchronisation
 FAST = {"capture_mode": "inline", "export_mode": "inline"}
@@ -224,3 +229,93 @@ async def test_the_default_head_limits_are_aiohttps(tmp_path: Path) -> None:
             async with session.post(proxy + "/v1/completions", json={},
                                     headers={"X-Big": "b" * size}) as resp:  # fmt: skip
                 assert resp.status == status
+
+
+async def test_bodies_over_the_capture_limit_are_forwarded_and_recorded_unparsed(
+    tmp_path: Path,
+) -> None:
+    """Through the capture process too: the call says why it has no bodies, and the counter
+    says how often it happened."""
+    big_response = {"id": "c", "choices": [{"index": 0, "text": "x" * 5000}]}
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        return web.json_response(COMPLETION if len(body) > 4000 else big_response)
+
+    big_request = orjson.dumps({"prompt": list(range(2000))})
+    small_request = orjson.dumps({"prompt": "a"})
+    async with (
+        scripted_upstream(upstream) as up,
+        running_proxy([up], tmp_path, capture_max_body=4096) as (service, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        for body, answer in ((big_request, COMPLETION), (small_request, big_response)):
+            async with session.post(proxy + "/v1/completions", data=body,
+                                    headers={"X-Rollout-Trajectory-Id": "t"}) as resp:  # fmt: skip
+                assert await resp.json() == answer
+        await service.flush()
+        assert metric(service.metrics, "trace_proxy_capture_skipped_bodies_total",
+                      reason="body_too_large") == 2  # fmt: skip
+    request_over, response_over = all_calls(tmp_path)
+    for call, which in ((request_over, "request"), (response_over, "response")):
+        assert call["unparsed"].startswith(f"the {which} body is over the 4096-byte capture")
+        assert call["http_status"] == 200
+        assert call["outputs"] == []
+
+
+async def test_a_control_route_over_the_limit_is_still_a_step_event(tmp_path: Path) -> None:
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response({"success": True})
+
+    tensors = orjson.dumps({"serialized_named_tensors": ["t" * 10_000], "weight_version": "v2"})
+    async with (
+        scripted_upstream(upstream) as up,
+        running_proxy([up], tmp_path, capture_max_body=4096, **FAST) as (_, proxy),
+        aiohttp.ClientSession() as session,
+        session.post(proxy + "/update_weights_from_tensor", data=tensors) as resp,
+    ):
+        assert resp.status == 200
+    [event] = events(tmp_path)
+    assert event["event"] == "weight_update"
+    assert "capture limit" in event["params"]["unparsed"]
+
+
+async def test_a_300_mb_streamed_body_is_forwarded_whole_and_never_held(tmp_path: Path) -> None:
+    """A real upload of 300 MB, streamed: the upstream gets every byte, while memory
+    allocated in this process (proxy, upstream and client alike) stays far below the body."""
+    chunk = bytes(range(256)) * 4096  # 1 MiB, sent 300 times
+    digest = hashlib.sha256()
+    for _ in range(300):
+        digest.update(chunk)
+    received: dict[str, Any] = {}
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        seen, size = hashlib.sha256(), 0
+        async for part in request.content.iter_any():
+            seen.update(part)
+            size += len(part)
+        received.update(size=size, digest=seen.hexdigest())
+        return web.json_response(COMPLETION)
+
+    async def body() -> AsyncIterator[bytes]:
+        for _ in range(300):
+            yield chunk
+
+    async with (
+        scripted_upstream(upstream) as up,
+        running_proxy([up], tmp_path, capture_max_body=8 << 20, **FAST) as (service, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        tracemalloc.start()
+        try:
+            async with session.post(proxy + "/v1/completions", data=body()) as resp:
+                assert await resp.json() == COMPLETION
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        await service.flush()
+    assert received == {"size": 300 << 20, "digest": digest.hexdigest()}
+    assert peak < 64 << 20, f"{peak >> 20} MiB allocated at the peak"
+    [call] = all_calls(tmp_path)
+    assert "capture limit" in call["unparsed"]

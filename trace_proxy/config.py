@@ -342,6 +342,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed (inline: before "
            "new ones are counted as dropped; in the capture process: before it stops reading)",
            metavar="N"),
+    Option("capture_max_body", parse_size, 128 << 20, "request and response body bytes of one "
+           "exchange kept for recording; past it the call is recorded without its bodies, as "
+           "unparsed with the reason (the bytes are forwarded all the same)", metavar="SIZE"),
     Option("capture_queue_bytes", parse_size, 512 << 20, "bytes of request and response bodies "
            "waiting to be parsed before new exchanges are counted as dropped "
            "(capture_queue_bytes; with a capture process, half wait in the proxy's buffer and "
@@ -411,6 +414,7 @@ class Settings:
     capture_mode: str = "process"
     capture_priority: str = "low"
     capture_queue: int = 10000
+    capture_max_body: int = 128 << 20
     capture_queue_bytes: int = 512 << 20
     spool_dir: Path | None = None
     spool_max_bytes: int = 1 << 30

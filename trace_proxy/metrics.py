@@ -87,6 +87,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.capture_skipped_bodies = Counter(
+            "trace_proxy_capture_skipped_bodies",
+            "Exchanges recorded without their bodies, by reason (body_too_large: over "
+            "--capture-max-body); their calls are recorded as unparsed",
+            ["reason"],
+            registry=r,
+        )
         self.calls_recorded = Counter(
             "trace_proxy_calls_recorded",
             "Generate calls recorded, by dialect",

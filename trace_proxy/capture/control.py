@@ -56,7 +56,9 @@ def parse_event(ex: Exchange, project: str, experiment: str) -> StepEvent:
         http_status=ex.status,
     )
     body: Any = None
-    if ex.request_body:
+    if ex.bodies_skipped is not None:
+        event.params = {"unparsed": ex.bodies_skipped}
+    elif ex.request_body:
         try:
             body = orjson.loads(ex.request_body)
         except orjson.JSONDecodeError:

@@ -194,6 +194,9 @@ class CaptureStage:
         if kind is not RouteKind.GENERATE:
             return
         dialect, parser = DIALECTS[exchange.path]
+        if exchange.bodies_skipped is not None:
+            self._add_unparsed(exchange, dialect, exchange.bodies_skipped)
+            return
         request: Any = None
         ids_text: bytes | None = None
         resolved: dict[int, KeyHints] = {}  # by id() of the body resolved
@@ -223,6 +226,13 @@ class CaptureStage:
             self._assembler.add_call(hints, item.call, admitted=exchange.admitted, ids_text=text)
         self._metrics.open_trajectories.set(self._assembler.open_count)
 
+    def _add_unparsed(self, exchange: Exchange, dialect: str, reason: str) -> None:
+        item = self._unparsed(exchange, dialect, None, reason)
+        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
+        self._unparsed_calls(dialect).inc()
+        self._assembler.add_call(hints, item.call, admitted=exchange.admitted)
+        self._metrics.open_trajectories.set(self._assembler.open_count)
+
     def _latest_prompt(
         self, exchange: Exchange, resolved: dict[int, KeyHints], request: dict[str, Any]
     ) -> tuple[bytes, int] | None:
@@ -239,8 +249,8 @@ class CaptureStage:
             start=exchange.start,
             end=exchange.end,
             name=exchange.tool_route,
-            arguments=_text(exchange.request_body),
-            result=_text(exchange.response_body),
+            arguments=_text(exchange.request_body, exchange.bodies_skipped),
+            result=_text(exchange.response_body, exchange.bodies_skipped),
             error=exchange_failure(exchange),
             route=exchange.path,
             upstream=exchange.upstream,
@@ -263,8 +273,10 @@ class CaptureStage:
 MAX_TOOL_TEXT = 1 << 20
 
 
-def _text(body: bytes) -> str | None:
+def _text(body: bytes, skipped: str | None = None) -> str | None:
     """A tool server's body as text, capped: tool outputs can be whole files."""
+    if skipped is not None:
+        return f"[{skipped}]"
     if not body:
         return None
     text = body[:MAX_TOOL_TEXT].decode("utf-8", "replace")

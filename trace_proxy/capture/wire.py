@@ -43,6 +43,7 @@ def encode_exchange(exchange: Exchange) -> list[bytes]:
             exchange.tool_route,
             exchange.admitted,
             exchange.dropped,
+            exchange.bodies_skipped,
         )
     )
     chunks = exchange.response_chunks
@@ -54,7 +55,7 @@ def encode_exchange(exchange: Exchange) -> list[bytes]:
 def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
     (
         method, path, query, request_headers, path_metadata, upstream, start, status,
-        response_headers, first_byte, end, error, tool_route, admitted, dropped,
+        response_headers, first_byte, end, error, tool_route, admitted, dropped, skipped,
     ) = orjson.loads(meta)  # fmt: skip
     return Exchange(
         method=method,
@@ -74,6 +75,7 @@ def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
         tool_route=tool_route,
         admitted=admitted,
         dropped=dropped,
+        bodies_skipped=skipped,
     )
 
 

@@ -41,8 +41,13 @@ class Forwarder:
         admit: Callable[[Exchange], bool],
         metrics: Metrics,
         tool_routes: dict[str, Upstream] | None = None,
+        capture_max_body: int = 128 << 20,
     ) -> None:
+        """`capture_max_body`: body bytes of one exchange kept for capture; past it the
+        exchange goes to capture without its bodies (`Exchange.bodies_skipped`)."""
         self._tool_routes = tool_routes or {}
+        self._max_body = capture_max_body
+        self._skipped = children(metrics.capture_skipped_bodies)
         self._pool = pool
         self._client = client
         self._resolver = resolver
@@ -97,6 +102,8 @@ class Forwarder:
             in_flight.dec()
             self._pool.release(upstream)
             if exchange is not None:
+                if exchange.bodies_skipped is not None:
+                    self._skipped("body_too_large").inc()
                 self._submit(exchange)
 
     async def _forward(
@@ -114,7 +121,7 @@ class Forwarder:
         response: web.StreamResponse | None = None
         upstream_response: UpstreamConnection | None = None
         try:
-            body = await _request_body(request, exchange)
+            body = await _request_body(request, exchange, self._max_body)
             upstream_response = await self._client.request(
                 upstream.base, request.method, target, fields, body
             )
@@ -127,15 +134,24 @@ class Forwarder:
             await response.prepare(request)
             first_byte = time.time()
             self._metrics.added_latency.observe(first_byte - start)
-            chunks = exchange.response_chunks if exchange is not None else None
+            chunks = None
+            room = 0  # body bytes the tap may still keep
             if exchange is not None:
                 exchange.status = status
                 exchange.response_headers = upstream_response.headers
                 exchange.first_byte = first_byte
+                if exchange.bodies_skipped is None:
+                    chunks = exchange.response_chunks
+                    room = self._max_body - len(exchange.request_body)
             read = upstream_response.read
             while chunk := await read():
                 if chunks is not None:
-                    chunks.append(chunk)
+                    room -= len(chunk)
+                    if room >= 0:
+                        chunks.append(chunk)
+                    else:  # a record is not worth holding a body this large in memory
+                        chunks = None
+                        _skip_bodies(exchange, "response", self._max_body)
                 await response.write(chunk)
             await response.write_eof()
         except asyncio.CancelledError:
@@ -226,30 +242,53 @@ class Forwarder:
 
 
 async def _request_body(
-    request: web.BaseRequest, exchange: Exchange | None
+    request: web.BaseRequest, exchange: Exchange | None, max_body: int
 ) -> bytes | AsyncIterator[bytes] | None:
     """A small body in one read (one write upstream); a large one streamed as it arrives, so
     the upstream starts reading before the client has finished sending. Not `request.read()`:
-    that caps bodies at 1 MiB, and token-id prompts are larger."""
+    that caps bodies at 1 MiB, and token-id prompts are larger. The tap keeps at most
+    `max_body` bytes of it."""
     if not request.body_exists:
         return None
     length = request.content_length
     if length is not None and length <= STREAM_BODY_ABOVE:
         body = await request.content.read()
         if exchange is not None:
-            exchange.request_body = body
+            if len(body) <= max_body:
+                exchange.request_body = body
+            else:
+                _skip_bodies(exchange, "request", max_body)
         return body
-    return _stream_body(request.content, exchange)
+    return _stream_body(request.content, exchange, max_body)
 
 
-async def _stream_body(content: StreamReader, exchange: Exchange | None) -> AsyncIterator[bytes]:
+async def _stream_body(
+    content: StreamReader, exchange: Exchange | None, max_body: int
+) -> AsyncIterator[bytes]:
     chunks: list[bytes] | None = [] if exchange is not None else None
+    room = max_body
     async for chunk in content.iter_any():
         if chunks is not None:
-            chunks.append(chunk)
+            room -= len(chunk)
+            if room >= 0:
+                chunks.append(chunk)
+            else:
+                chunks = None
+                _skip_bodies(exchange, "request", max_body)
         yield chunk
     if exchange is not None and chunks is not None:
         exchange.request_body = b"".join(chunks)
+
+
+def _skip_bodies(exchange: Exchange | None, which: str, max_body: int) -> None:
+    """Let go of what the tap kept: the call is recorded without bodies, saying why."""
+    if exchange is not None:
+        exchange.request_body = b""
+        exchange.response_chunks = []
+        exchange.bodies_skipped = (
+            f"the {which} body is over the {max_body}-byte capture limit "
+            "(--capture-max-body): bodies not recorded"
+        )
 
 
 _CAUSE_TEXT = {

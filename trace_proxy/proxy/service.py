@@ -78,6 +78,13 @@ class ProxyService:
         """Done once token2text has found the served models' tokenizers (or given up)."""
         return self.recorder.tokenizer_discovery
 
+    @property
+    def _capture_budget(self) -> int:
+        """Body bytes an exchange can ever be queued with: the forwarder's half of
+        --capture-queue-bytes with a capture process, all of it inline."""
+        budget = self.settings.capture_queue_bytes
+        return budget // 2 if isinstance(self.recorder, CaptureProcess) else budget
+
     async def flush(self) -> None:
         """Wait until every exchange forwarded so far is parsed, and every trajectory it
         closed is exported by every backend (or counted)."""
@@ -96,6 +103,7 @@ class ProxyService:
             self.recorder.admit,
             self.metrics,
             tool_routes=self.tool_routes,
+            capture_max_body=min(settings.capture_max_body, self._capture_budget),
         )
         await self.recorder.start()
         limits = ClientLimits(
