@@ -1,5 +1,5 @@
-"""The limits a client meets: time to send a request, size of its head, and bodies too large
-to record.
+"""The limits a client meets: time to send a request, size of its head, bodies too large to
+record, and the admin port's token.
 
 Slow clients are played over raw sockets, sending slowly on purpose; every cut is awaited with
 a deadline, never assumed after a sleep.
@@ -319,3 +319,50 @@ async def test_a_300_mb_streamed_body_is_forwarded_whole_and_never_held(tmp_path
     assert peak < 64 << 20, f"{peak >> 20} MiB allocated at the peak"
     [call] = all_calls(tmp_path)
     assert "capture limit" in call["unparsed"]
+
+
+async def test_every_admin_route_that_changes_state_needs_the_token(tmp_path: Path) -> None:
+    """Every route of the admin app, found from its router: reading ones are open, the others
+    answer 401 without the token (a route added later is covered without a test of its own)."""
+    async with running_proxy(["http://127.0.0.1:9"], tmp_path, admin_token="s3cret",
+                             **FAST) as (service, _):  # fmt: skip
+        assert service.addresses is not None and service.addresses.admin is not None
+        admin = service.addresses.admin
+        runner = service._admin_runner
+        assert runner is not None and isinstance(runner.app, web.Application)
+        routes = {(r.method, r.resource.canonical) for r in runner.app.router.routes()
+                  if r.resource is not None}  # fmt: skip
+        writes = {(m, p) for m, p in routes if m not in ("GET", "HEAD", "OPTIONS")}
+        assert ("POST", "/rewards") in writes
+        async with aiohttp.ClientSession() as session:
+            for method, path in sorted(routes):
+                for authorization in (None, "Bearer wrong", "Bearer s3crét", "s3cret"):
+                    headers = {} if authorization is None else {"Authorization": authorization}
+                    async with session.request(method, admin + path, json={},
+                                               headers=headers) as resp:  # fmt: skip
+                        if (method, path) in writes:
+                            assert resp.status == 401, (method, path, authorization)
+                        else:
+                            assert resp.status == 200, (method, path)
+            for method in ("POST", "PUT", "DELETE", "PATCH"):  # no such route: still 401 first
+                async with session.request(method, admin + "/anything") as resp:
+                    assert resp.status == 401
+            reward = {"trajectory_id": "x", "reward": 1}
+            token = {"Authorization": "Bearer s3cret"}
+            async with session.post(admin + "/rewards", json=reward, headers=token) as resp:
+                assert resp.status == 200
+
+
+@pytest.mark.parametrize(
+    ("host", "token", "warned"),
+    [("0.0.0.0", None, True), ("0.0.0.0", "s3cret", False), ("127.0.0.1", None, False)],
+)
+async def test_an_admin_port_beyond_loopback_without_a_token_is_warned_about(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, host: str, token: str | None, warned: bool
+) -> None:
+    caplog.set_level(logging.WARNING, "trace_proxy.proxy.service")
+    async with running_proxy(["http://127.0.0.1:9"], tmp_path, host=host, admin_token=token,
+                             **FAST):  # fmt: skip
+        pass
+    warnings = [r for r in caplog.records if "without --admin-token" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)

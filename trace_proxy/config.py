@@ -251,8 +251,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", parse_port, 8100, "port to listen on (0 picks a free one)"),
     Option("admin_port", parse_port, 8101,
            "port of the admin endpoints (/metrics, /health) on the same host; 0 picks a free one"),
-    Option("admin_token", parse_str, None, "if set, POST /rewards on the admin port needs "
-           "'Authorization: Bearer <token>'", metavar="TOKEN"),
+    Option("admin_token", parse_str, None, "if set, every admin route that changes state "
+           "(POST /rewards) needs 'Authorization: Bearer <token>'", metavar="TOKEN"),
     Option("backend", _backends, ["jsonl"], "where closed trajectories go "
            "(comma-separated or repeated)", multiple=True, metavar="NAME",
            commands=("serve", "demo")),
