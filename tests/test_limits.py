@@ -232,10 +232,11 @@ async def test_the_default_head_limits_are_aiohttps(tmp_path: Path) -> None:
 
 
 async def test_bodies_over_the_capture_limit_are_forwarded_and_recorded_unparsed(
-    tmp_path: Path,
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Through the capture process too: the call says why it has no bodies, and the counter
-    says how often it happened."""
+    says how often it happened (the log says it once)."""
+    caplog.set_level(logging.WARNING, "trace_proxy.proxy.forward")
     big_response = {"id": "c", "choices": [{"index": 0, "text": "x" * 5000}]}
 
     async def upstream(request: web.Request) -> web.StreamResponse:
@@ -261,6 +262,7 @@ async def test_bodies_over_the_capture_limit_are_forwarded_and_recorded_unparsed
         assert call["unparsed"].startswith(f"the {which} body is over the 4096-byte capture")
         assert call["http_status"] == 200
         assert call["outputs"] == []
+    assert len([r for r in caplog.records if "--capture-max-body" in r.getMessage()]) == 1
 
 
 async def test_a_control_route_over_the_limit_is_still_a_step_event(tmp_path: Path) -> None:

@@ -48,6 +48,7 @@ class Forwarder:
         self._tool_routes = tool_routes or {}
         self._max_body = capture_max_body
         self._skipped = children(metrics.capture_skipped_bodies)
+        self._logged_skip = False
         self._pool = pool
         self._client = client
         self._resolver = resolver
@@ -103,8 +104,18 @@ class Forwarder:
             self._pool.release(upstream)
             if exchange is not None:
                 if exchange.bodies_skipped is not None:
-                    self._skipped("body_too_large").inc()
+                    self._skipped_body(exchange.bodies_skipped)
                 self._submit(exchange)
+
+    def _skipped_body(self, reason: str) -> None:
+        self._skipped("body_too_large").inc()
+        if not self._logged_skip:
+            self._logged_skip = True
+            log.warning(
+                "%s (logged once; every time is counted in "
+                'trace_proxy_capture_skipped_bodies{reason="body_too_large"})',
+                reason,
+            )
 
     async def _forward(
         self,
