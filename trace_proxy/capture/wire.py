@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from trace_proxy import safejson
 from trace_proxy.capture.exchange import Exchange
 
 HEAD = struct.Struct("!BIQQ")  # kind, JSON length, request body length, response body length
@@ -26,7 +27,7 @@ CONTROL = 2
 def encode_exchange(exchange: Exchange) -> list[bytes]:
     """The frame of one finished exchange, as buffers to write in order (bodies not copied)."""
     response_headers = exchange.response_headers
-    meta = orjson.dumps(
+    meta = safejson.dumps(  # headers and paths may hold bytes that are not UTF-8
         (
             exchange.method,
             exchange.path,
@@ -80,7 +81,7 @@ def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
 
 
 def encode_control(message: dict[str, Any]) -> bytes:
-    meta = orjson.dumps(message)
+    meta = safejson.dumps(message)
     return HEAD.pack(CONTROL, len(meta), 0, 0) + meta
 
 

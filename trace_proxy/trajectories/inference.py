@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from trace_proxy import safejson
 from trace_proxy.trajectories.record import GenerateCall, RolloutKey, ids_list
 
 BUCKET_ITEMS = 16  # a continuation shares its first prompt's first items
@@ -49,7 +50,7 @@ def _canonical_arguments(arguments: Any) -> str:
             value = orjson.loads(arguments)
         except orjson.JSONDecodeError:
             return arguments
-    canonical: str = orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    canonical: str = safejson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     return canonical
 
 
@@ -100,7 +101,7 @@ def _with_response(call: GenerateCall, prompt: Sequence[Any] | str) -> Sequence[
 
 def _digest(sequence: Sequence[Any] | str) -> str:
     data = sequence if isinstance(sequence, str) else list(sequence)
-    return hashlib.blake2b(orjson.dumps(data), digest_size=8).hexdigest()
+    return hashlib.blake2b(safejson.dumps(data), digest_size=8).hexdigest()
 
 
 def _bucket(kind: str, sequence: Sequence[Any] | str, items: int) -> Hashable:

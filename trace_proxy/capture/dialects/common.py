@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from trace_proxy import safejson
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.redact import recorded_headers
 from trace_proxy.capture.sse import iter_data
@@ -88,7 +89,7 @@ def http_error(status: int | None, body: Any) -> CallError | None:
             message = body.get("message") or body.get("detail")
     elif isinstance(body, (bytes, str)):
         message = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    text = message if isinstance(message, str) else orjson.dumps(message).decode()
+    text = message if isinstance(message, str) else safejson.dumps(message).decode()
     return CallError(type=f"http_{status}", message=text[:MAX_ERROR_MESSAGE])
 
 

@@ -1,0 +1,102 @@
+"""Regression tests for what fuzzing the capture side found (tests/test_fuzz_capture.py):
+each input here once lost a record, a call, a whole store's worth of records, or a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+from proxy_helpers import running_proxy, scripted_upstream, trajectories
+
+from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.metadata import MetadataResolver
+from trace_proxy.capture.stage import CaptureStage
+from trace_proxy.metrics import Metrics
+from trace_proxy.safejson import TOO_DEEP
+from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.record import GenerateCall, Record, Trajectory, dumps
+
+INLINE = {"capture_mode": "inline", "export_mode": "inline"}
+COMPLETION = {"id": "c", "choices": [{"index": 0, "text": "!", "finish_reason": "stop"}]}
+DEEP = b"[" * 300 + b"]" * 300  # JSON orjson reads (1,024 levels) but cannot write (255)
+
+
+async def answer(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    return web.json_response(COMPLETION)
+
+
+async def raw_post(url: str, head: bytes, body: bytes) -> bytes:
+    """A POST with header bytes as they are: the status line of the answer."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    data = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    return data.partition(b"\r\n")[0]
+
+
+def stage() -> tuple[CaptureStage, list[GenerateCall], list[Record]]:
+    """A capture stage over a real assembler; the calls it was given, the records it built."""
+    records: list[Record] = []
+    calls: list[GenerateCall] = []
+    assembler = Assembler(records.append, project="p", experiment="e", idle_timeout=300,
+                          inference=TrafficInference())  # fmt: skip
+    add_call = assembler.add_call
+
+    def noted(hints: Any, call: GenerateCall, **kw: Any) -> None:
+        calls.append(call)
+        add_call(hints, call, **kw)
+
+    assembler.add_call = noted  # type: ignore[method-assign]
+    capture = CaptureStage(MetadataResolver([]), assembler, Metrics(), project="p",
+                           experiment="e", queue_size=10, idle_check_interval=60)  # fmt: skip
+    return capture, calls, records
+
+
+def exchange(path: str, request: bytes, response: bytes, **fields: Any) -> Exchange:
+    return Exchange(
+        method="POST", path=path, query="", request_headers=CIMultiDictProxy(CIMultiDict()),
+        path_metadata=[], upstream="http://u", start=1.0, request_body=request, status=200,
+        response_headers=CIMultiDict({"Content-Type": "application/json"}),
+        response_chunks=[response], **fields,
+    )  # fmt: skip
+
+
+async def test_nesting_deeper_than_a_record_holds_no_longer_stops_the_spool(
+    tmp_path: Path,
+) -> None:
+    """A request nested 300 deep (valid JSON) made its record fail to encode, which ended the
+    task writing the spool: no record after it was written again. Now the deep part is
+    replaced by a note, and the calls after it are recorded as before."""
+    deep = b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": ' + DEEP + b"}"
+    async with (
+        scripted_upstream(answer) as up,
+        running_proxy([up], tmp_path, **INLINE) as (service, proxy),
+    ):
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+        for i, body in enumerate((deep, orjson.dumps({"messages": []}))):
+            tid = b"X-Rollout-Trajectory-Id: t%d\r\nX-Rollout-Done: 1\r\n" % i
+            assert await raw_post(proxy, head + tid, body) == b"HTTP/1.1 200 OK"
+        await service.flush()
+    calls = {t["key"]["trajectory_id"]: t["calls"] for t in trajectories(tmp_path)}
+    assert sorted(calls) == ["t0", "t1"]
+    assert TOO_DEEP.encode() in orjson.dumps(calls["t0"][0]["sampling"])
+
+
+def test_a_record_with_text_that_is_not_utf8_is_written() -> None:
+    """aiohttp decodes header bytes that are not UTF-8 as lone surrogates, which orjson
+    refuses: the record, and the batch of records spooled with it, could not be written."""
+    capture, _, records = stage()
+    sent = exchange("/v1/completions", b'{"prompt": "a"}', orjson.dumps(COMPLETION))
+    sent.request_headers = CIMultiDictProxy(CIMultiDict({"X-Note": "caf\udce9"}))
+    capture.process(sent)
+    capture._assembler.close_all()
+    [record] = [r for r in records if isinstance(r, Trajectory)]
+    assert orjson.loads(dumps(record))["calls"][0]["request_headers"] == {"x-note": "caf\ufffd"}
