@@ -9,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from proxy_helpers import running_proxy, scripted_upstream, trajectories
+from proxy_helpers import all_calls, running_proxy, scripted_upstream, trajectories
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
@@ -100,3 +101,39 @@ def test_a_record_with_text_that_is_not_utf8_is_written() -> None:
     capture._assembler.close_all()
     [record] = [r for r in records if isinstance(r, Trajectory)]
     assert orjson.loads(dumps(record))["calls"][0]["request_headers"] == {"x-note": "caf\ufffd"}
+
+
+@pytest.mark.parametrize("mode", ["process", "inline"])
+async def test_key_headers_that_are_not_utf8_neither_fail_the_request_nor_lose_the_call(
+    tmp_path: Path, mode: str
+) -> None:
+    """With a sampler, such a header's value was hashed as it was: the proxy answered 500
+    without forwarding (capture inline), or lost the exchange on its way to the capture
+    process (the frame could not be encoded). Now the value is read with U+FFFD."""
+    async with (
+        scripted_upstream(answer) as up,
+        running_proxy(
+            [up], tmp_path, capture_mode=mode, export_mode="inline", max_samples_per_step=4
+        ) as (service, proxy),  # fmt: skip
+    ):
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Rollout-Experiment: caf\xe9\r\n"
+            b"X-Rollout-Step: 1\r\nX-Rollout-Sample-Index: 0\r\nX-Rollout-N: 0\r\n"
+            b"X-Rollout-Done: 1\r\nX-Note: \xff\xfe\r\n"
+        )
+        assert await raw_post(proxy, head, b'{"prompt": "a"}') == b"HTTP/1.1 200 OK"
+        await service.flush()
+    [call] = all_calls(tmp_path)
+    assert call["request_headers"]["x-note"] == "\ufffd\ufffd"
+    [trajectory] = trajectories(tmp_path)
+    assert trajectory["key"]["experiment"] == "caf\ufffd"
+
+
+def test_a_step_too_large_for_a_record_is_malformed_not_recorded() -> None:
+    """`X-Rollout-Step: 99999999999999999999` was kept as an integer no record can hold."""
+    hints = MetadataResolver([]).resolve(
+        CIMultiDict({"X-Rollout-Step": "99999999999999999999", "X-Rollout-N": "2"}), [], None
+    )
+    assert hints.values == {"rollout_n": 2}
+    [note] = hints.annotations
+    assert note["field"] == "step"
