@@ -17,6 +17,7 @@ from proxy_helpers import all_calls, running_proxy, scripted_upstream, trajector
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
+from trace_proxy.exporters.jsonl import store_name
 from trace_proxy.metrics import Metrics
 from trace_proxy.safejson import TOO_DEEP
 from trace_proxy.trajectories.assembler import Assembler
@@ -137,3 +138,34 @@ def test_a_step_too_large_for_a_record_is_malformed_not_recorded() -> None:
     assert hints.values == {"rollout_n": 2}
     [note] = hints.annotations
     assert note["field"] == "step"
+
+
+async def test_a_project_name_cannot_make_the_store_write_outside_its_directory(
+    tmp_path: Path,
+) -> None:
+    """Project and experiment names from headers were used as directories as they were:
+    `../..` left the store, `/etc` was an absolute path."""
+    store = tmp_path / "store"
+    async with (
+        scripted_upstream(answer) as up,
+        running_proxy([up], store, **INLINE) as (service, proxy),
+    ):
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Rollout-Project: ../escaped\r\n"
+            b"X-Rollout-Experiment: ..\r\nX-Rollout-Done: 1\r\nX-Rollout-Trajectory-Id: t\r\n"
+        )
+        assert await raw_post(proxy, head, b'{"prompt": "a"}') == b"HTTP/1.1 200 OK"
+        await service.flush()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+    [trajectory] = trajectories(store)
+    assert trajectory["key"]["project"] == "../escaped"
+    assert (store / "%2E.%2Fescaped" / "%2E.").is_dir()
+
+
+def test_store_names_are_one_plain_directory_name() -> None:
+    assert store_name("grpo-qwen2.5_7b") == "grpo-qwen2.5_7b"  # what the options accept
+    assert store_name("/etc") == "%2Fetc"
+    assert store_name(".") == "%2E"
+    assert store_name("a%2Fb") == "a%252Fb"  # no two names share a directory
+    long = store_name("é" * 256)
+    assert len(long.encode()) <= 200 and long != store_name("é" * 255)

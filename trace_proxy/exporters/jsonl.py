@@ -7,6 +7,9 @@ Layout under the output directory:
     <project>/<experiment>/events.jsonl                step events (weight updates, pauses)
     <project>/<experiment>/steps.jsonl                 per-step summaries (seen, kept, dropped)
     rewards that arrive after a trajectory was written: `annotation` lines in its step's file
+Project and experiment names come from request headers: one that is not a plain file name
+('/', a leading '.', control characters, too long) is written percent-encoded (`store_name`),
+so no client can make the store write outside its directory.
 A batch's lines for one file go out in one `write` on an O_APPEND descriptor; a file is
 fsync'd when it is closed. A torn last line left by a crash is cut off when the file is next
 opened, so readers never see a partial record.
@@ -14,7 +17,9 @@ opened, so readers never see a partial record.
 
 from __future__ import annotations
 
+import hashlib
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,13 +37,30 @@ from trace_proxy.trajectories.record import (
 )
 
 MAX_OPEN_FILES = 32
+# What a name may hold as it is; anything else is percent-encoded, and so is a leading '.'.
+_NOT_PLAIN = re.compile(r"[\x00-\x1f\x7f/\\%]|^\.")
+MAX_NAME_BYTES = 200  # a file name may have 255; longer ones end in a digest instead
+
+
+def store_name(name: str) -> str:
+    """A project or experiment name as one directory name: the name itself when it is plain
+    (every name the options accept is), else percent-encoded, and cut to a prefix and a digest
+    of the whole when long."""
+    if _NOT_PLAIN.search(name) or not name:
+        name = _NOT_PLAIN.sub(lambda m: "".join(f"%{b:02X}" for b in m[0].encode()), name)
+        name = name or "%00"
+    raw = name.encode("utf-8", "replace")
+    if len(raw) <= MAX_NAME_BYTES:
+        return name
+    digest = hashlib.blake2b(raw, digest_size=8).hexdigest()
+    return raw[: MAX_NAME_BYTES - 17].decode("utf-8", "ignore") + "~" + digest
 
 
 def record_path(root: Path, record: Record | SpooledTrajectory) -> Path:
     if isinstance(record, StepEvent):
-        return root / record.project / record.experiment / "events.jsonl"
+        return root / store_name(record.project) / store_name(record.experiment) / "events.jsonl"
     if isinstance(record, StepSummary):
-        return root / record.project / record.experiment / "steps.jsonl"
+        return root / store_name(record.project) / store_name(record.experiment) / "steps.jsonl"
     if isinstance(record, Annotation):
         project, experiment, step_number, validate = (
             record.project, record.experiment, record.step, record.validate
@@ -50,7 +72,7 @@ def record_path(root: Path, record: Record | SpooledTrajectory) -> Path:
         )  # fmt: skip
     step = "none" if step_number is None else f"{step_number:06d}"
     prefix = "validate-step-" if validate else "step-"
-    return root / project / experiment / f"{prefix}{step}.jsonl"
+    return root / store_name(project) / store_name(experiment) / f"{prefix}{step}.jsonl"
 
 
 class JsonlExporter:
