@@ -16,6 +16,7 @@ from proxy_helpers import all_calls, running_proxy, scripted_upstream, trajector
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
+from trace_proxy.capture.sse import iter_data
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.exporters.jsonl import store_name
 from trace_proxy.metrics import Metrics
@@ -169,3 +170,11 @@ def test_store_names_are_one_plain_directory_name() -> None:
     assert store_name("a%2Fb") == "a%252Fb"  # no two names share a directory
     long = store_name("é" * 256)
     assert len(long.encode()) <= 200 and long != store_name("é" * 255)
+
+
+def test_every_line_ending_of_event_streams_is_read() -> None:
+    """A lone CR ends a line in an event stream as CRLF and LF do; only LF and CRLF were
+    read, so a stream written with CR gave no events."""
+    for newline in (b"\n", b"\r\n", b"\r"):
+        stream = b"data: a" + newline * 2 + b": comment" + newline + b"data: b" + newline * 2
+        assert list(iter_data(stream)) == [b"a", b"b"]
