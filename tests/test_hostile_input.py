@@ -172,6 +172,27 @@ def test_store_names_are_one_plain_directory_name() -> None:
     assert len(long.encode()) <= 200 and long != store_name("é" * 255)
 
 
+async def test_token_counts_that_are_not_numbers_no_longer_stop_capture(tmp_path: Path) -> None:
+    """`"usage": {"prompt_tokens": "many"}` made building the trajectory raise inside the
+    task that parses every exchange: capture stopped for good. (A client cannot send it; an
+    upstream or a tool route can.)"""
+
+    async def odd_usage(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        return web.json_response({**COMPLETION, "usage": {"prompt_tokens": "many"}})
+
+    async with (
+        scripted_upstream(odd_usage) as up,
+        running_proxy([up], tmp_path, **INLINE) as (service, proxy),
+    ):
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Rollout-Done: 1\r\n"
+        for i in range(2):
+            tid = b"X-Rollout-Trajectory-Id: t%d\r\n" % i
+            assert await raw_post(proxy, head + tid, b'{"prompt": "a"}') == b"HTTP/1.1 200 OK"
+        await service.flush()
+    assert sorted(t["key"]["trajectory_id"] for t in trajectories(tmp_path)) == ["t0", "t1"]
+
+
 def test_every_line_ending_of_event_streams_is_read() -> None:
     """A lone CR ends a line in an event stream as CRLF and LF do; only LF and CRLF were
     read, so a stream written with CR gave no events."""

@@ -144,7 +144,7 @@ class CaptureStage:
                 self._room.set()
                 self._metrics.capture_queue.set(self._queue.qsize())
             if assembler.pending:  # trajectories this closed: at least one, within the budget
-                assembler.run_pending(until=burst_started + BURST)
+                self._run_pending(until=burst_started + BURST)
             # Queue.get() does not yield while items wait: without a yield a backlog would be
             # parsed in one burst, and no request could be forwarded meanwhile. One item per
             # turn of the loop, though, falls behind a saturated proxy until the queue
@@ -159,8 +159,17 @@ class CaptureStage:
         """Emit closed trajectories in bursts, yielding between them: a step change can close
         thousands at once, and building them must not hold up forwarding."""
         while self._assembler.pending:
-            self._assembler.run_pending(until=time.perf_counter() + BURST)
+            self._run_pending(until=time.perf_counter() + BURST)
             await asyncio.sleep(0)
+
+    def _run_pending(self, until: float) -> None:
+        """Finish closed trajectories. One that cannot be built is lost, and counted: an
+        exception here would end the task that parses every exchange."""
+        try:
+            self._assembler.run_pending(until=until)
+        except Exception:
+            self._metrics.capture_dropped.labels("internal_error").inc()
+            log.exception("finishing a closed trajectory failed")
 
     async def _close_idle(self) -> None:
         while True:
