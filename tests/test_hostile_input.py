@@ -193,6 +193,18 @@ async def test_token_counts_that_are_not_numbers_no_longer_stop_capture(tmp_path
     assert sorted(t["key"]["trajectory_id"] for t in trajectories(tmp_path)) == ["t0", "t1"]
 
 
+def test_a_chat_message_with_a_list_for_a_role_is_recorded_without_keys() -> None:
+    """Traffic without key headers is grouped by its messages, used as dictionary keys: a
+    role or tool-call name that was a list or an object raised TypeError, and the call was
+    lost."""
+    capture, calls, records = stage()
+    request = b'{"messages": [{"role": ["user"], "content": {"a": 1}, "tool_calls": [1]}]}'
+    capture.process(exchange("/v1/chat/completions", request, orjson.dumps(COMPLETION)))
+    capture._assembler.close_all()
+    assert len(calls) == 1
+    assert [len(r.calls) for r in records if isinstance(r, Trajectory)] == [1]
+
+
 def test_every_line_ending_of_event_streams_is_read() -> None:
     """A lone CR ends a line in an event stream as CRLF and LF do; only LF and CRLF were
     read, so a stream written with CR gave no events."""

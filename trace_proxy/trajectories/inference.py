@@ -55,19 +55,32 @@ def _canonical_arguments(arguments: Any) -> str:
 
 
 def _canonical_message(message: Any) -> tuple[Any, ...]:
-    """What makes two chat messages the same turn, whatever nulls or spacing a client adds."""
+    """What makes two chat messages the same turn, whatever nulls or spacing a client adds.
+    Hashable whatever the client sent: the turns are keys of the continuation index."""
     if not isinstance(message, dict):
         return ("?", str(message))
     content = message.get("content")
     if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    calls = tuple(
-        ((c.get("function") or {}).get("name"),
-         _canonical_arguments((c.get("function") or {}).get("arguments")))
-        for c in message.get("tool_calls") or []
-        if isinstance(c, dict)
-    )  # fmt: skip
-    return (message.get("role"), content or "", calls, message.get("tool_call_id"))
+        content = "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    calls = message.get("tool_calls")
+    functions = [
+        c.get("function") for c in (calls if isinstance(calls, list) else []) if isinstance(c, dict)
+    ]
+    signature = tuple(
+        (_key_part(f.get("name")), _canonical_arguments(f.get("arguments")))
+        for f in (f if isinstance(f, dict) else {} for f in functions)
+    )
+    return (_key_part(message.get("role")), _key_part(content) or "", signature,
+            _key_part(message.get("tool_call_id")))  # fmt: skip
+
+
+def _key_part(value: Any) -> Hashable:
+    """A scalar as it is; anything else as its JSON text."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return _canonical_arguments(value)
 
 
 def _assistant_turn(call: GenerateCall) -> tuple[Any, ...]:
