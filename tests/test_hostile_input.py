@@ -5,6 +5,8 @@ each input here once lost a record, a call, a whole store's worth of records, or
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from trace_proxy.metrics import Metrics
 from trace_proxy.safejson import TOO_DEEP
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.inference import TrafficInference
-from trace_proxy.trajectories.record import GenerateCall, Record, Trajectory, dumps
+from trace_proxy.trajectories.record import GenerateCall, Record, Trajectory, dumps, ids_list
 
 INLINE = {"capture_mode": "inline", "export_mode": "inline"}
 COMPLETION = {"id": "c", "choices": [{"index": 0, "text": "!", "finish_reason": "stop"}]}
@@ -70,6 +72,9 @@ def exchange(path: str, request: bytes, response: bytes, **fields: Any) -> Excha
         response_headers=CIMultiDict({"Content-Type": "application/json"}),
         response_chunks=[response], **fields,
     )  # fmt: skip
+
+
+# --- records that could not be written ---------------------------------------------------------
 
 
 async def test_nesting_deeper_than_a_record_holds_no_longer_stops_the_spool(
@@ -172,6 +177,9 @@ def test_store_names_are_one_plain_directory_name() -> None:
     assert len(long.encode()) <= 200 and long != store_name("é" * 255)
 
 
+# --- calls that were lost, or lost their prompts ------------------------------------------------
+
+
 async def test_token_counts_that_are_not_numbers_no_longer_stop_capture(tmp_path: Path) -> None:
     """`"usage": {"prompt_tokens": "many"}` made building the trajectory raise inside the
     task that parses every exchange: capture stopped for good. (A client cannot send it; an
@@ -191,6 +199,86 @@ async def test_token_counts_that_are_not_numbers_no_longer_stop_capture(tmp_path
             assert await raw_post(proxy, head + tid, b'{"prompt": "a"}') == b"HTTP/1.1 200 OK"
         await service.flush()
     assert sorted(t["key"]["trajectory_id"] for t in trajectories(tmp_path)) == ["t0", "t1"]
+
+
+@pytest.mark.parametrize(
+    ("path", "request_body", "response"),
+    [
+        ("/v1/chat/completions", b'{"messages": []}', b'{"choices": [1]}'),
+        ("/v1/chat/completions", b'{"messages": []}', b'{"choices": [{"message": "hi"}]}'),
+        ("/v1/chat/completions", b'{"messages": []}',
+         b'{"choices": [{"message": {"tool_calls": [{"function": "f"}]}}]}'),
+        ("/v1/chat/completions", b'{"messages": []}',
+         b'{"choices": [{"logprobs": {"content": [{"logprob": "low"}]}}]}'),
+        ("/v1/completions", b'{"prompt": "a"}', b'{"choices": [{"index": "first"}]}'),
+        ("/inference/v1/generate", b'{"token_ids": [1]}', b'{"choices": [null, []]}'),
+        ("/generate", b'{"text": "a"}', b'{"text": 5, "meta_info": []}'),
+        ("/generate", b'{"text": "a"}',
+         b'{"meta_info": {"output_token_logprobs": [["x", 1]], "completion_tokens": "2"}}'),
+    ],
+)  # fmt: skip
+def test_a_response_of_the_wrong_shape_is_recorded_unparsed_with_its_prompt(
+    path: str, request_body: bytes, response: bytes, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any field of the wrong type made the parser raise (AttributeError, TypeError,
+    ValueError): the call was recorded as a 'parser error' without its prompt, and the error
+    logged with a traceback. Now it is the response's fault, said in `unparsed`, or the odd
+    field is left out, and the call keeps what the request said."""
+    capture, calls, _ = stage()
+    with caplog.at_level(logging.ERROR):
+        capture.process(exchange(path, request_body, response))
+    [call] = calls
+    assert not (call.unparsed or "").startswith("parser error")
+    assert (
+        call.prompt.text == "a"
+        or call.prompt.messages == []
+        or ids_list(call.prompt.token_ids) == [1]
+    )
+    assert not caplog.records
+
+
+def test_a_batch_whose_response_cannot_be_read_keeps_a_call_per_prompt() -> None:
+    """An upstream cut off mid-response (status 200, half a body) gave one unparsed call with
+    no prompt for the whole batch; now each prompt is a call, unparsed, saying why."""
+    capture, calls, _ = stage()
+    capture.process(exchange("/v1/completions", b'{"prompt": ["a", "b", [1, 2]]}',
+                             b'{"choices": [{"index": 0, "te', error="upstream reset"))  # fmt: skip
+    assert [c.prompt.text or c.prompt.token_ids for c in calls] == ["a", "b", [1, 2]]
+    assert all(c.unparsed and c.unparsed.startswith("response is not JSON") for c in calls)
+
+
+def test_a_negative_choice_index_is_not_the_last_prompts() -> None:
+    """`"index": -1` gave the choice to the batch's last prompt (a list index from the end)."""
+    capture, calls, _ = stage()
+    capture.process(exchange("/v1/completions", b'{"prompt": ["a", "b"]}',
+                             b'{"choices": [{"index": -1, "text": "x"}]}'))  # fmt: skip
+    assert [(c.outputs, c.unparsed) for c in calls] == [([], "choice index -1 is negative")] * 2
+
+
+def test_a_huge_n_no_longer_hangs_sglang_parsing() -> None:
+    """`"n": 10**12` in a request made the parser list every (prompt, sample) pair before
+    matching the response's objects to them: minutes and gigabytes, for one call."""
+    capture, calls, _ = stage()
+    request = b'{"input_ids": [1, 2], "sampling_params": {"n": 1000000000000}}'
+    response = b'[{"text": "a", "output_ids": [3]}, {"text": "b", "output_ids": [4]}]'
+    started = time.perf_counter()
+    capture.process(exchange("/generate", request, response))
+    assert time.perf_counter() - started < 1
+    [call] = calls
+    assert [o.text for o in call.outputs] == ["a", "b"]
+
+
+def test_sglang_per_prompt_lists_shorter_than_the_batch() -> None:
+    """`sampling_params` or `rid` lists shorter than the batch raised IndexError: the batch
+    became one 'parser error' call."""
+    capture, calls, _ = stage()
+    request = b'{"input_ids": [[1], [2]], "sampling_params": [{"n": 1}], "rid": ["a"]}'
+    response = b'[{"text": "x", "output_ids": [3]}, {"text": "y", "output_ids": [4]}]'
+    capture.process(exchange("/generate", request, response))
+    assert [(c.prompt.token_ids, [o.text for o in c.outputs]) for c in calls] == [
+        ([1], ["x"]),
+        ([2], ["y"]),
+    ]
 
 
 def test_a_chat_message_with_a_list_for_a_role_is_recorded_without_keys() -> None:
