@@ -161,6 +161,13 @@ def _tool_parser(value: Any) -> str:
     return name
 
 
+def parse_count(value: Any) -> int:
+    count = parse_int(value)
+    if count <= 0:
+        raise ValueError("must be 1 or more")
+    return count
+
+
 def parse_optional_count(value: Any) -> int | None:
     """A count, or none/null for 'no limit'."""
     if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
@@ -244,8 +251,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("port", parse_port, 8100, "port to listen on (0 picks a free one)"),
     Option("admin_port", parse_port, 8101,
            "port of the admin endpoints (/metrics, /health) on the same host; 0 picks a free one"),
-    Option("admin_token", parse_str, None, "if set, POST /rewards on the admin port needs "
-           "'Authorization: Bearer <token>'", metavar="TOKEN"),
+    Option("admin_token", parse_str, None, "if set, every admin route that changes state "
+           "(POST /rewards) needs 'Authorization: Bearer <token>'", metavar="TOKEN"),
     Option("backend", _backends, ["jsonl"], "where closed trajectories go "
            "(comma-separated or repeated)", multiple=True, metavar="NAME",
            commands=("serve", "demo")),
@@ -259,6 +266,18 @@ OPTIONS: tuple[Option, ...] = (
            metavar="SECONDS"),
     Option("read_timeout", parse_optional_seconds, None, "seconds an upstream may stay silent "
            "mid-response (default: no limit; generations run for minutes)", metavar="SECONDS"),
+    Option("client_header_timeout", parse_optional_seconds, 60.0, "seconds a client may take "
+           "to send a request's line and headers, from their first byte (from connecting, for "
+           "a connection's first request); then 408 and the connection is closed (off: no "
+           "limit)", metavar="SECONDS"),
+    Option("client_body_timeout", parse_optional_seconds, 300.0, "seconds a client may take "
+           "to send a request's body once its headers are in; then 408 and the connection is "
+           "closed (off: no limit). Responses are never timed: they stream for as long as the "
+           "upstream generates", metavar="SECONDS"),
+    Option("max_header_size", parse_size, 8190, "longest request line or header line, in "
+           "bytes; a longer one is answered 431 and not forwarded", metavar="SIZE"),
+    Option("max_headers", parse_count, 128, "most header lines in a request; more are "
+           "answered 431 and not forwarded", metavar="N"),
     Option("idle_timeout", parse_seconds, 300.0,
            "close a trajectory after this many seconds without a call", metavar="SECONDS"),
     Option("step_close_grace", parse_optional_seconds, 5.0, "when a later step starts, close "
@@ -323,6 +342,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed (inline: before "
            "new ones are counted as dropped; in the capture process: before it stops reading)",
            metavar="N"),
+    Option("capture_max_body", parse_size, 128 << 20, "request and response body bytes of one "
+           "exchange kept for recording; past it the call is recorded without its bodies, as "
+           "unparsed with the reason (the bytes are forwarded all the same)", metavar="SIZE"),
     Option("capture_queue_bytes", parse_size, 512 << 20, "bytes of request and response bodies "
            "waiting to be parsed before new exchanges are counted as dropped "
            "(capture_queue_bytes; with a capture process, half wait in the proxy's buffer and "
@@ -365,6 +387,10 @@ class Settings:
     experiment: str = "default"
     connect_timeout: float = 10.0
     read_timeout: float | None = None
+    client_header_timeout: float | None = 60.0
+    client_body_timeout: float | None = 300.0
+    max_header_size: int = 8190
+    max_headers: int = 128
     idle_timeout: float = 300.0
     step_close_grace: float | None = 5.0
     shutdown_grace: float = 30.0
@@ -388,6 +414,7 @@ class Settings:
     capture_mode: str = "process"
     capture_priority: str = "low"
     capture_queue: int = 10000
+    capture_max_body: int = 128 << 20
     capture_queue_bytes: int = 512 << 20
     spool_dir: Path | None = None
     spool_max_bytes: int = 1 << 30

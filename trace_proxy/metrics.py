@@ -68,6 +68,13 @@ class Metrics:
             ["upstream"],
             registry=r,
         )
+        self.client_rejected = Counter(
+            "trace_proxy_client_rejected",
+            "Requests refused or cut off because of the client, by reason (header_timeout and "
+            "body_timeout: 408; header_too_large: 431); none of them reached an upstream whole",
+            ["reason"],
+            registry=r,
+        )
         self.added_latency = Histogram(
             "trace_proxy_response_start_seconds",
             "Time from request received to response headers sent to the client",
@@ -77,6 +84,13 @@ class Metrics:
         self.capture_dropped = Counter(
             "trace_proxy_capture_dropped",
             "Exchanges not recorded, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.capture_skipped_bodies = Counter(
+            "trace_proxy_capture_skipped_bodies",
+            "Exchanges recorded without their bodies, by reason (body_too_large: over "
+            "--capture-max-body); their calls are recorded as unparsed",
             ["reason"],
             registry=r,
         )

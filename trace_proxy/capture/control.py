@@ -10,6 +10,7 @@ from typing import Any
 
 import orjson
 
+from trace_proxy import safejson
 from trace_proxy.capture.dialects.common import exchange_failure
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.trajectories.record import StepEvent
@@ -56,7 +57,9 @@ def parse_event(ex: Exchange, project: str, experiment: str) -> StepEvent:
         http_status=ex.status,
     )
     body: Any = None
-    if ex.request_body:
+    if ex.bodies_skipped is not None:
+        event.params = {"unparsed": ex.bodies_skipped}
+    elif ex.request_body:
         try:
             body = orjson.loads(ex.request_body)
         except orjson.JSONDecodeError:
@@ -77,6 +80,6 @@ def _small_params(body: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, (bool, int, float)) or value is None:
             params[key] = value
             continue
-        text = value if isinstance(value, str) else orjson.dumps(value).decode()
+        text = value if isinstance(value, str) else safejson.dumps(value).decode()
         params[key] = value if len(text) <= MAX_PARAM_CHARS else f"<{len(text)} chars omitted>"
     return params

@@ -33,6 +33,9 @@ class Exchange:
     # Why the bodies were not kept (capture fell behind): the call still counts in its
     # trajectory (`summary.calls_dropped`) and its done flag still closes it.
     dropped: str | None = None
+    # Why the bodies were let go although the call is recorded (too large to hold for it):
+    # the call is recorded as unparsed with this reason.
+    bodies_skipped: str | None = None
 
     @property
     def response_body(self) -> bytes:

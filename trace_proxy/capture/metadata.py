@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+from trace_proxy.safejson import clean_text
+
 FIELDS = (
     "project",
     "experiment",
@@ -49,9 +51,12 @@ MAX_COUNT_DIGITS = 18  # a step names a file of the store, and backends keep it 
 
 
 def _name(value: str) -> str:
+    """Bytes that are not UTF-8 (lone surrogates, as aiohttp decodes them) become U+FFFD:
+    a name must be hashed by the sampler and written in records, and the forwarder and the
+    capture process (which gets the repaired text) must read the same name."""
     if not value or len(value) > MAX_VALUE_LEN or any(c in value for c in "\r\n\t"):
         raise ValueError(f"expected 1-{MAX_VALUE_LEN} printable characters")
-    return value
+    return clean_text(value)
 
 
 def _count(value: str) -> int:
@@ -145,9 +150,9 @@ class KeyHints:
         try:
             self.values[name] = PARSERS[name](raw)
         except ValueError as exc:
-            self.annotations.append(
-                {"field": name, "source": source, "value": raw[:MAX_VALUE_LEN], "error": str(exc)}
-            )
+            self.annotations.append({"field": name, "source": clean_text(source),
+                                     "value": clean_text(raw[:MAX_VALUE_LEN]),
+                                     "error": str(exc)})  # fmt: skip
             return
         self.sources[name] = source
 
@@ -238,8 +243,8 @@ class MetadataResolver:
             hints.offer(key, value, source)
         else:
             hints.annotations.append(
-                {"field": key, "source": source, "value": value[:MAX_VALUE_LEN],
-                 "error": "unknown key field"}
+                {"field": clean_text(key[:MAX_VALUE_LEN]), "source": clean_text(source),
+                 "value": clean_text(value[:MAX_VALUE_LEN]), "error": "unknown key field"}
             )  # fmt: skip
 
 

@@ -6,6 +6,8 @@ import re
 from collections.abc import Iterable
 from functools import lru_cache
 
+from trace_proxy.safejson import clean_text
+
 _SECRET_HEADER = re.compile(
     r"authorization|cookie|api[-_]?key|token|secret|password|credential|session[-_]?key",
     re.IGNORECASE,
@@ -20,11 +22,12 @@ def is_secret_header(name: str) -> bool:
 
 
 def recorded_headers(items: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """Request headers as a record keeps them: secrets replaced, framing headers left out."""
+    """Request headers as a record keeps them: secrets replaced, framing headers left out,
+    bytes that were not UTF-8 as U+FFFD."""
     kept: dict[str, str] = {}
     for name, value in items:
-        lowered = name.lower()
+        lowered = clean_text(name.lower())
         if lowered in _NOT_RECORDED:
             continue
-        kept[lowered] = REDACTED if is_secret_header(lowered) else value
+        kept[lowered] = REDACTED if is_secret_header(lowered) else clean_text(value)
     return kept

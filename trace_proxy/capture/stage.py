@@ -167,7 +167,7 @@ class CaptureStage:
         while True:
             self._handle(await self._queue.get())
             if assembler.pending:  # trajectories this closed: at least one, within the budget
-                assembler.run_pending(until=burst_started + BURST)
+                self._run_pending(until=burst_started + BURST)
             # Queue.get() does not yield while items wait: without a yield a backlog would be
             # parsed in one burst, and no request could be forwarded meanwhile. One item per
             # turn of the loop, though, falls behind a saturated proxy until the queue
@@ -207,8 +207,17 @@ class CaptureStage:
         """Emit closed trajectories in bursts, yielding between them: a step change can close
         thousands at once, and building them must not hold up forwarding."""
         while self._assembler.pending:
-            self._assembler.run_pending(until=time.perf_counter() + BURST)
+            self._run_pending(until=time.perf_counter() + BURST)
             await asyncio.sleep(0)
+
+    def _run_pending(self, until: float) -> None:
+        """Finish closed trajectories. One that cannot be built is lost, and counted: an
+        exception here would end the task that parses every exchange."""
+        try:
+            self._assembler.run_pending(until=until)
+        except Exception:
+            self._metrics.capture_dropped.labels("internal_error").inc()
+            log.exception("finishing a closed trajectory failed")
 
     async def _close_idle(self) -> None:
         while True:
@@ -242,6 +251,9 @@ class CaptureStage:
         if kind is not RouteKind.GENERATE:
             return
         dialect, parser = DIALECTS[exchange.path]
+        if exchange.bodies_skipped is not None:
+            self._add_unparsed(exchange, dialect, exchange.bodies_skipped)
+            return
         request: Any = None
         ids_text: bytes | None = None
         resolved: dict[int, KeyHints] = {}  # by id() of the body resolved
@@ -271,6 +283,13 @@ class CaptureStage:
             self._assembler.add_call(hints, item.call, admitted=exchange.admitted, ids_text=text)
         self._metrics.open_trajectories.set(self._assembler.open_count)
 
+    def _add_unparsed(self, exchange: Exchange, dialect: str, reason: str) -> None:
+        item = self._unparsed(exchange, dialect, None, reason)
+        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
+        self._unparsed_calls(dialect).inc()
+        self._assembler.add_call(hints, item.call, admitted=exchange.admitted)
+        self._metrics.open_trajectories.set(self._assembler.open_count)
+
     def _latest_prompt(
         self, exchange: Exchange, resolved: dict[int, KeyHints], request: dict[str, Any]
     ) -> tuple[bytes, int] | None:
@@ -287,8 +306,8 @@ class CaptureStage:
             start=exchange.start,
             end=exchange.end,
             name=exchange.tool_route,
-            arguments=_text(exchange.request_body),
-            result=_text(exchange.response_body),
+            arguments=_text(exchange.request_body, exchange.bodies_skipped),
+            result=_text(exchange.response_body, exchange.bodies_skipped),
             error=exchange_failure(exchange),
             route=exchange.path,
             upstream=exchange.upstream,
@@ -311,8 +330,10 @@ class CaptureStage:
 MAX_TOOL_TEXT = 1 << 20
 
 
-def _text(body: bytes) -> str | None:
+def _text(body: bytes, skipped: str | None = None) -> str | None:
     """A tool server's body as text, capped: tool outputs can be whole files."""
+    if skipped is not None:
+        return f"[{skipped}]"
     if not body:
         return None
     text = body[:MAX_TOOL_TEXT].decode("utf-8", "replace")

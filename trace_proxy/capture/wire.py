@@ -16,6 +16,7 @@ from typing import Any
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from trace_proxy import safejson
 from trace_proxy.capture.exchange import Exchange
 
 HEAD = struct.Struct("!BIQQ")  # kind, JSON length, request body length, response body length
@@ -26,7 +27,7 @@ CONTROL = 2
 def encode_exchange(exchange: Exchange) -> list[bytes]:
     """The frame of one finished exchange, as buffers to write in order (bodies not copied)."""
     response_headers = exchange.response_headers
-    meta = orjson.dumps(
+    meta = safejson.dumps(  # headers and paths may hold bytes that are not UTF-8
         (
             exchange.method,
             exchange.path,
@@ -43,6 +44,7 @@ def encode_exchange(exchange: Exchange) -> list[bytes]:
             exchange.tool_route,
             exchange.admitted,
             exchange.dropped,
+            exchange.bodies_skipped,
         )
     )
     chunks = exchange.response_chunks
@@ -54,7 +56,7 @@ def encode_exchange(exchange: Exchange) -> list[bytes]:
 def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
     (
         method, path, query, request_headers, path_metadata, upstream, start, status,
-        response_headers, first_byte, end, error, tool_route, admitted, dropped,
+        response_headers, first_byte, end, error, tool_route, admitted, dropped, skipped,
     ) = orjson.loads(meta)  # fmt: skip
     return Exchange(
         method=method,
@@ -74,11 +76,12 @@ def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
         tool_route=tool_route,
         admitted=admitted,
         dropped=dropped,
+        bodies_skipped=skipped,
     )
 
 
 def encode_control(message: dict[str, Any]) -> bytes:
-    meta = orjson.dumps(message)
+    meta = safejson.dumps(message)
     return HEAD.pack(CONTROL, len(meta), 0, 0) + meta
 
 

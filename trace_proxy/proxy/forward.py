@@ -23,6 +23,7 @@ from trace_proxy.proxy.headers import (
     client_response_headers,
     upstream_request_fields,
 )
+from trace_proxy.proxy.limits import RequestBodyTimeout
 from trace_proxy.proxy.upstream_client import UpstreamClient, UpstreamConnection, UpstreamError
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 
@@ -40,8 +41,14 @@ class Forwarder:
         admit: Callable[[Exchange], bool],
         metrics: Metrics,
         tool_routes: dict[str, Upstream] | None = None,
+        capture_max_body: int = 128 << 20,
     ) -> None:
+        """`capture_max_body`: body bytes of one exchange kept for capture; past it the
+        exchange goes to capture without its bodies (`Exchange.bodies_skipped`)."""
         self._tool_routes = tool_routes or {}
+        self._max_body = capture_max_body
+        self._skipped = children(metrics.capture_skipped_bodies)
+        self._logged_skip = False
         self._pool = pool
         self._client = client
         self._resolver = resolver
@@ -96,7 +103,19 @@ class Forwarder:
             in_flight.dec()
             self._pool.release(upstream)
             if exchange is not None:
+                if exchange.bodies_skipped is not None:
+                    self._skipped_body(exchange.bodies_skipped)
                 self._submit(exchange)
+
+    def _skipped_body(self, reason: str) -> None:
+        self._skipped("body_too_large").inc()
+        if not self._logged_skip:
+            self._logged_skip = True
+            log.warning(
+                "%s (logged once; every time is counted in "
+                'trace_proxy_capture_skipped_bodies{reason="body_too_large"})',
+                reason,
+            )
 
     async def _forward(
         self,
@@ -107,13 +126,13 @@ class Forwarder:
         exchange: Exchange | None,
         start: float,
     ) -> web.StreamResponse:
-        body = await _request_body(request, exchange)
         fields = upstream_request_fields(
             request.raw_headers, request.remote, request.scheme, request.host
         )
         response: web.StreamResponse | None = None
         upstream_response: UpstreamConnection | None = None
         try:
+            body = await _request_body(request, exchange, self._max_body)
             upstream_response = await self._client.request(
                 upstream.base, request.method, target, fields, body
             )
@@ -126,15 +145,24 @@ class Forwarder:
             await response.prepare(request)
             first_byte = time.time()
             self._metrics.added_latency.observe(first_byte - start)
-            chunks = exchange.response_chunks if exchange is not None else None
+            chunks = None
+            room = 0  # body bytes the tap may still keep
             if exchange is not None:
                 exchange.status = status
                 exchange.response_headers = upstream_response.headers
                 exchange.first_byte = first_byte
+                if exchange.bodies_skipped is None:
+                    chunks = exchange.response_chunks
+                    room = self._max_body - len(exchange.request_body)
             read = upstream_response.read
             while chunk := await read():
                 if chunks is not None:
-                    chunks.append(chunk)
+                    room -= len(chunk)
+                    if room >= 0:
+                        chunks.append(chunk)
+                    else:  # a record is not worth holding a body this large in memory
+                        chunks = None
+                        _skip_bodies(exchange, "response", self._max_body)
                 await response.write(chunk)
             await response.write_eof()
         except asyncio.CancelledError:
@@ -142,6 +170,8 @@ class Forwarder:
             raise
         except UpstreamError as exc:
             return self._fail(request, response, exchange, kind, upstream, exc)
+        except RequestBodyTimeout as exc:  # counted and logged by the listener (limits.py)
+            return self._client_too_slow(request, response, exchange, kind, str(exc))
         except ConnectionResetError as exc:  # writing to a client that has left
             self._note(exchange, kind, "client disconnected", None)
             raise asyncio.CancelledError from exc
@@ -159,6 +189,32 @@ class Forwarder:
             exchange.error = exchange.error or error
         status_class = f"{status // 100}xx" if status else "none"
         self._requests(kind.value, status_class).inc()
+
+    def _client_too_slow(
+        self,
+        request: web.BaseRequest,
+        response: web.StreamResponse | None,
+        exchange: Exchange | None,
+        kind: RouteKind,
+        detail: str,
+    ) -> web.StreamResponse:
+        """408, as nginx answers a body that does not arrive; the connection is closed, since
+        the rest of the body may still come."""
+        self._note(exchange, kind, f"client too slow: {detail}", 408)
+        if response is not None:  # not expected: the body is sent before the answer starts
+            if request.transport is not None:
+                request.transport.abort()
+            return response
+        if exchange is not None:
+            exchange.status = 408
+        payload = {
+            "error": {"message": f"trace-proxy: {detail}", "type": "client_timeout", "code": 408}
+        }
+        answer = web.Response(
+            status=408, body=orjson.dumps(payload), content_type="application/json"
+        )
+        answer.force_close()
+        return answer
 
     def _fail(
         self,
@@ -197,30 +253,53 @@ class Forwarder:
 
 
 async def _request_body(
-    request: web.BaseRequest, exchange: Exchange | None
+    request: web.BaseRequest, exchange: Exchange | None, max_body: int
 ) -> bytes | AsyncIterator[bytes] | None:
     """A small body in one read (one write upstream); a large one streamed as it arrives, so
     the upstream starts reading before the client has finished sending. Not `request.read()`:
-    that caps bodies at 1 MiB, and token-id prompts are larger."""
+    that caps bodies at 1 MiB, and token-id prompts are larger. The tap keeps at most
+    `max_body` bytes of it."""
     if not request.body_exists:
         return None
     length = request.content_length
     if length is not None and length <= STREAM_BODY_ABOVE:
         body = await request.content.read()
         if exchange is not None:
-            exchange.request_body = body
+            if len(body) <= max_body:
+                exchange.request_body = body
+            else:
+                _skip_bodies(exchange, "request", max_body)
         return body
-    return _stream_body(request.content, exchange)
+    return _stream_body(request.content, exchange, max_body)
 
 
-async def _stream_body(content: StreamReader, exchange: Exchange | None) -> AsyncIterator[bytes]:
+async def _stream_body(
+    content: StreamReader, exchange: Exchange | None, max_body: int
+) -> AsyncIterator[bytes]:
     chunks: list[bytes] | None = [] if exchange is not None else None
+    room = max_body
     async for chunk in content.iter_any():
         if chunks is not None:
-            chunks.append(chunk)
+            room -= len(chunk)
+            if room >= 0:
+                chunks.append(chunk)
+            else:
+                chunks = None
+                _skip_bodies(exchange, "request", max_body)
         yield chunk
     if exchange is not None and chunks is not None:
         exchange.request_body = b"".join(chunks)
+
+
+def _skip_bodies(exchange: Exchange | None, which: str, max_body: int) -> None:
+    """Let go of what the tap kept: the call is recorded without bodies, saying why."""
+    if exchange is not None:
+        exchange.request_body = b""
+        exchange.response_chunks = []
+        exchange.bodies_skipped = (
+            f"the {which} body is over the {max_body}-byte capture limit "
+            "(--capture-max-body): bodies not recorded"
+        )
 
 
 _CAUSE_TEXT = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import socket
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
@@ -26,6 +28,7 @@ from trace_proxy.config import Settings
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.metrics import Metrics, exposition
 from trace_proxy.proxy.forward import Forwarder
+from trace_proxy.proxy.limits import ClientLimits, LimitedServer, Rejections
 from trace_proxy.proxy.upstream_client import UpstreamClient
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
@@ -77,6 +80,13 @@ class ProxyService:
         """Done once token2text has found the served models' tokenizers (or given up)."""
         return self.recorder.tokenizer_discovery
 
+    @property
+    def _capture_budget(self) -> int:
+        """Body bytes an exchange can ever be queued with: the forwarder's half of
+        --capture-queue-bytes with a capture process, all of it inline."""
+        budget = self.settings.capture_queue_bytes
+        return budget // 2 if isinstance(self.recorder, CaptureProcess) else budget
+
     async def flush(self) -> None:
         """Wait until every exchange forwarded so far is parsed, and every trajectory it
         closed is exported by every backend (or counted)."""
@@ -95,10 +105,19 @@ class ProxyService:
             self.recorder.admit,
             self.metrics,
             tool_routes=self.tool_routes,
+            capture_max_body=min(settings.capture_max_body, self._capture_budget),
         )
         await self.recorder.start()
-        server = web.Server(
+        limits = ClientLimits(
+            header_timeout=settings.client_header_timeout,
+            body_timeout=settings.client_body_timeout,
+            max_header_size=settings.max_header_size,
+            max_headers=settings.max_headers,
+        )
+        server = LimitedServer(
             forwarder.handle,
+            limits,
+            Rejections(self.metrics),
             handler_cancellation=True,  # a client that leaves cancels its upstream request
             auto_decompress=False,
             access_log=None,
@@ -115,6 +134,12 @@ class ProxyService:
             admin_site = web.TCPSite(self._admin_runner, settings.host, settings.admin_port)
             await admin_site.start()
             admin_url = _bound_url(admin_site)
+            if settings.admin_token is None and not _loopback_only(admin_site):
+                log.warning(
+                    "the admin port %s listens beyond loopback without --admin-token: anyone "
+                    "who can reach it can post rewards and labels to any trajectory",
+                    admin_url,
+                )
         self.addresses = Addresses(proxy_url, admin_url)
         return self.addresses
 
@@ -135,7 +160,9 @@ class ProxyService:
         await self.stop()
 
     def _admin_app(self) -> web.Application:
-        app = web.Application()
+        """Reading routes are open (a Prometheus scraper has no token); every other method,
+        on any path, needs the token when one is set, so a route added later cannot forget."""
+        app = web.Application(middlewares=[_token_required(self.settings.admin_token)])
         app.router.add_get("/metrics", self._metrics_endpoint)
         app.router.add_get("/health", self._health_endpoint)
         app.router.add_post("/rewards", self._rewards_endpoint)
@@ -143,11 +170,6 @@ class ProxyService:
 
     async def _rewards_endpoint(self, request: web.Request) -> web.Response:
         """Attach a reward, score or labels to a trajectory (see trajectories/rewards.py)."""
-        token = self.settings.admin_token
-        if token is not None and not hmac.compare_digest(
-            request.headers.get("Authorization", ""), f"Bearer {token}"
-        ):
-            return web.json_response({"error": "a valid admin token is required"}, status=401)
         try:
             outcome = orjson.loads(await request.read())
             parse_outcome(outcome)  # a clear 400 here; the recorder parses it again
@@ -173,6 +195,39 @@ class ProxyService:
             "backends": self.recorder.backends,
         }
         return web.json_response(status)
+
+
+READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def _token_required(token: str | None) -> Middleware:
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def require_token(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if (
+            token is not None
+            and request.method not in READ_ONLY_METHODS
+            and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode("utf-8", "surrogateescape"),
+                expected,
+            )
+        ):
+            return web.json_response({"error": "a valid admin token is required"}, status=401)
+        return await handler(request)
+
+    return require_token
+
+
+def _loopback_only(site: web.TCPSite) -> bool:
+    """Whether every address the site listens on is a loopback address."""
+    server = site._server
+    assert server is not None
+    for sock in server.sockets:  # type: ignore[attr-defined]
+        host = sock.getsockname()[0].partition("%")[0]  # an IPv6 scope id is not an address
+        if not ipaddress.ip_address(host).is_loopback:
+            return False
+    return True
 
 
 def _bound_url(site: web.TCPSite) -> str:

@@ -547,9 +547,9 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
         usage = call.usage or {}
         found = extends.get(id(call))
         prompt_ids = found[2] if found is not None else ids_count(call.prompt.token_ids)
-        prompt_tokens += int(usage.get("prompt_tokens") or prompt_ids)
-        completion_tokens += int(
-            usage.get("completion_tokens") or sum(len(o.token_ids or ()) for o in call.outputs)
+        prompt_tokens += _tokens(usage.get("prompt_tokens"), prompt_ids)
+        completion_tokens += _tokens(
+            usage.get("completion_tokens"), sum(len(o.token_ids or ()) for o in call.outputs)
         )
     share_prefixes(calls, {key: (base, shared) for key, (base, shared, _) in extends.items()})
     _store_once(calls)
@@ -660,9 +660,18 @@ def merge_resumed(target: GenerateCall, call: GenerateCall) -> None:
         output.finish_reason, output.stop_reason = more.finish_reason, more.stop_reason
     target.end, target.http_status, target.error = call.end, call.http_status, call.error
     if target.usage is not None and call.usage is not None:
-        done = int(target.usage.get("completion_tokens") or 0)
-        target.usage["completion_tokens"] = done + int(call.usage.get("completion_tokens") or 0)
+        done = _tokens(target.usage.get("completion_tokens"), 0)
+        target.usage["completion_tokens"] = done + _tokens(call.usage.get("completion_tokens"), 0)
     target.weight_version = call.weight_version or target.weight_version
+
+
+def _tokens(reported: Any, counted: int) -> int:
+    """A token count the server reported, else the one counted from ids: a count that is not
+    a number (a server's bug, or no count at all) must not keep a trajectory from closing."""
+    try:
+        return int(reported or counted)
+    except (TypeError, ValueError, OverflowError):
+        return counted
 
 
 def _segment(call: GenerateCall) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from trace_proxy import safejson
 from trace_proxy.trajectories.record import GenerateCall, RolloutKey, ids_list
 
 BUCKET_ITEMS = 16  # a continuation shares its first prompt's first items
@@ -49,24 +50,37 @@ def _canonical_arguments(arguments: Any) -> str:
             value = orjson.loads(arguments)
         except orjson.JSONDecodeError:
             return arguments
-    canonical: str = orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+    canonical: str = safejson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
     return canonical
 
 
 def _canonical_message(message: Any) -> tuple[Any, ...]:
-    """What makes two chat messages the same turn, whatever nulls or spacing a client adds."""
+    """What makes two chat messages the same turn, whatever nulls or spacing a client adds.
+    Hashable whatever the client sent: the turns are keys of the continuation index."""
     if not isinstance(message, dict):
         return ("?", str(message))
     content = message.get("content")
     if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    calls = tuple(
-        ((c.get("function") or {}).get("name"),
-         _canonical_arguments((c.get("function") or {}).get("arguments")))
-        for c in message.get("tool_calls") or []
-        if isinstance(c, dict)
-    )  # fmt: skip
-    return (message.get("role"), content or "", calls, message.get("tool_call_id"))
+        content = "".join(
+            p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
+    calls = message.get("tool_calls")
+    functions = [
+        c.get("function") for c in (calls if isinstance(calls, list) else []) if isinstance(c, dict)
+    ]
+    signature = tuple(
+        (_key_part(f.get("name")), _canonical_arguments(f.get("arguments")))
+        for f in (f if isinstance(f, dict) else {} for f in functions)
+    )
+    return (_key_part(message.get("role")), _key_part(content) or "", signature,
+            _key_part(message.get("tool_call_id")))  # fmt: skip
+
+
+def _key_part(value: Any) -> Hashable:
+    """A scalar as it is; anything else as its JSON text."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return _canonical_arguments(value)
 
 
 def _assistant_turn(call: GenerateCall) -> tuple[Any, ...]:
@@ -100,7 +114,7 @@ def _with_response(call: GenerateCall, prompt: Sequence[Any] | str) -> Sequence[
 
 def _digest(sequence: Sequence[Any] | str) -> str:
     data = sequence if isinstance(sequence, str) else list(sequence)
-    return hashlib.blake2b(orjson.dumps(data), digest_size=8).hexdigest()
+    return hashlib.blake2b(safejson.dumps(data), digest_size=8).hexdigest()
 
 
 def _bucket(kind: str, sequence: Sequence[Any] | str, items: int) -> Hashable:

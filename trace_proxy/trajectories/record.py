@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import orjson
 
+from trace_proxy import safejson
+
 SCHEMA_VERSION = "trace-proxy.trajectory/2"
 KEY_FIELDS = ("experiment", "step", "sample_index", "rollout_n", "validate", "trajectory_id")
 
@@ -269,8 +271,10 @@ def new_record_id() -> str:
 
 
 def dumps(record: Record) -> bytes:
-    """One JSON line (without the newline)."""
-    return orjson.dumps(record, default=_ids_fragment)
+    """One JSON line (without the newline). Never fails on what a request or a response
+    held: strings that are not UTF-8 and nesting orjson cannot write are repaired in a copy
+    (`safejson`), so one hostile call cannot keep a batch of records from the spool."""
+    return safejson.dumps(record, default=_ids_fragment)
 
 
 def _ids_fragment(value: Any) -> orjson.Fragment:

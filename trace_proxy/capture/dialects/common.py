@@ -8,6 +8,7 @@ from typing import Any
 
 import orjson
 
+from trace_proxy import safejson
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.redact import recorded_headers
 from trace_proxy.capture.sse import iter_data
@@ -88,7 +89,7 @@ def http_error(status: int | None, body: Any) -> CallError | None:
             message = body.get("message") or body.get("detail")
     elif isinstance(body, (bytes, str)):
         message = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
-    text = message if isinstance(message, str) else orjson.dumps(message).decode()
+    text = message if isinstance(message, str) else safejson.dumps(message).decode()
     return CallError(type=f"http_{status}", message=text[:MAX_ERROR_MESSAGE])
 
 
@@ -99,6 +100,56 @@ def stream_error(event: Mapping[str, Any]) -> CallError:
         message = err.get("message")
         return CallError(type=kind, message=str(message)[:MAX_ERROR_MESSAGE])
     return CallError(type="stream_error", message=str(err)[:MAX_ERROR_MESSAGE])
+
+
+def as_object(value: Any, what: str) -> Mapping[str, Any]:
+    """An object of a response (a choice, a message, a delta): {} when absent or null. Any
+    other value makes the response unparsed (ParseError), rather than a parser error."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise ParseError(f"{what} is not an object")
+    return value
+
+
+def as_list(value: Any, what: str) -> list[Any]:
+    """A list of a response (choices, tool-call fragments): [] when absent or null."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise ParseError(f"{what} is not a list")
+    return value
+
+
+def index_of(item: Mapping[str, Any], what: str) -> int:
+    """A choice's or a chunk's `index` (0 when absent): a non-negative integer, or the
+    response is unparsed."""
+    value = item.get("index")
+    try:
+        index = int(value or 0)
+    except (TypeError, ValueError, OverflowError):
+        raise ParseError(f"{what} index {str(value)[:40]!r} is not an integer") from None
+    if index < 0:
+        raise ParseError(f"{what} index {index} is negative")
+    return index
+
+
+def text_of(value: Any) -> str | None:
+    """A string field (text, an id, a model name) as the record types it: else None."""
+    return value if isinstance(value, str) and value else None
+
+
+def usage_of(value: Any) -> dict[str, Any] | None:
+    """Token counts, when they are an object."""
+    return value if isinstance(value, dict) else None
+
+
+def unparsed_response(calls: list[GenerateCall], exc: ParseError) -> None:
+    """The request was understood and the response not: the calls keep their prompts and
+    parameters, and say why they have no outputs."""
+    for call in calls:
+        call.unparsed = str(exc)
+        call.outputs = []
 
 
 def load_json(body: bytes) -> Any:
@@ -248,16 +299,31 @@ def stream_events(ex: Exchange, skip_prompt_echo: bool = False) -> Iterator[dict
 
 
 def chosen_logprobs(logprobs: Any) -> list[float] | None:
-    """The sampled tokens' logprobs from any of the OpenAI/vLLM shapes."""
+    """The sampled tokens' logprobs from any of the OpenAI/vLLM shapes (None when they are
+    not numbers: a list with gaps would no longer line up with the tokens)."""
     if not isinstance(logprobs, dict):
         return None
     content = logprobs.get("content")
     if isinstance(content, list):
-        return [float(item["logprob"]) for item in content if isinstance(item, dict)]
+        values = [item.get("logprob") for item in content if isinstance(item, dict)]
+        return _floats(values, missing=None)
     token_logprobs = logprobs.get("token_logprobs")
     if isinstance(token_logprobs, list):
-        return [float(v) if v is not None else float("nan") for v in token_logprobs]
+        return _floats(token_logprobs, missing=float("nan"))
     return None
+
+
+def _floats(values: list[Any], missing: float | None) -> list[float] | None:
+    """Numbers as floats; None (the JSON null) as `missing`; anything else: None for all."""
+    out = []
+    for value in values:
+        if value is None and missing is not None:
+            out.append(missing)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out.append(float(value))
+        else:
+            return None
+    return out
 
 
 def ids_from_logprob_tokens(logprobs: Any) -> list[int] | None:
@@ -289,7 +355,8 @@ def normalize_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
     for call in calls:
         if not isinstance(call, dict):
             continue
-        fn = call.get("function") or {}
+        fn = call.get("function")
+        fn = fn if isinstance(fn, dict) else {}
         normal.append(
             {
                 "id": call.get("id"),
@@ -354,7 +421,7 @@ class ChoiceStream:
         self.prompt_token_ids: dict[int, list[int]] = {}
 
     def add(self, choice: Mapping[str, Any], text: Any, reasoning: Any = None) -> None:
-        index = int(choice.get("index") or 0)
+        index = index_of(choice, "choice")
         self._text.setdefault(index, [])
         if isinstance(text, str) and text:
             self._text[index].append(text)
@@ -387,17 +454,17 @@ class ChoiceStream:
             if not isinstance(fragment, dict):
                 continue
             entry = calls.setdefault(
-                int(fragment.get("index") or 0),
+                index_of(fragment, "tool call"),
                 {"id": None, "type": "function", "function": {"name": None, "arguments": ""}},
             )
             if fragment.get("id"):
                 entry["id"] = fragment["id"]
             if fragment.get("type"):
                 entry["type"] = fragment["type"]
-            fn = fragment.get("function") or {}
+            fn = as_object(fragment.get("function"), "a tool call's function")
             if fn.get("name"):
                 entry["function"]["name"] = fn["name"]
-            if fn.get("arguments"):
+            if isinstance(fn.get("arguments"), str):
                 entry["function"]["arguments"] += fn["arguments"]
 
     def outputs(self) -> list[Output]:

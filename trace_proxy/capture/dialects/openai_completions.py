@@ -14,17 +14,23 @@ from trace_proxy.capture.dialects.common import (
     ParsedCall,
     ParseError,
     as_int_list,
+    as_list,
+    as_object,
     as_prompt_ids,
     chosen_logprobs,
     fill_response,
     ids_from_logprob_tokens,
+    index_of,
     new_call,
     stream_error,
     stream_events,
+    text_of,
+    unparsed_response,
+    usage_of,
     weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.trajectories.record import Output, Prompt
+from trace_proxy.trajectories.record import GenerateCall, Output, Prompt
 
 NAME = "openai.completions"
 ROUTES = ("/v1/completions",)
@@ -60,6 +66,15 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
         call = new_call(ex, NAME, request)
         call.prompt = prompt
         calls.append(call)
+    try:
+        _fill(calls, ex, n)
+    except ParseError as exc:
+        unparsed_response(calls, exc)
+    return [ParsedCall(call, request) for call in calls]
+
+
+def _fill(calls: list[GenerateCall], ex: Exchange, n: int) -> None:
+    """Outputs from the response: choice `index` is prompt * n + sample."""
     has_ids = all(call.prompt.token_ids is not None for call in calls)
     body = fill_response(calls[0], ex, skip_prompt_echo=has_ids)
     for call in calls[1:]:
@@ -71,15 +86,16 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
             raise ParseError("response has no 'choices' list")
         for call in calls:
-            call.request_id = body.get("id")
-            call.model = body.get("model") or call.model
-            call.usage = body.get("usage") if len(calls) == 1 else None
-        for choice in body["choices"]:
-            index = int(choice.get("index") or 0)
+            call.request_id = text_of(body.get("id"))
+            call.model = text_of(body.get("model")) or call.model
+            call.usage = usage_of(body.get("usage")) if len(calls) == 1 else None
+        for item in body["choices"]:
+            choice = as_object(item, "a choice")
+            index = index_of(choice, "choice")
             outputs.append(
                 Output(
                     index=index,
-                    text=choice.get("text") or None,
+                    text=text_of(choice.get("text")),
                     token_ids=as_int_list(choice.get("token_ids"))
                     or ids_from_logprob_tokens(choice.get("logprobs")),
                     logprobs=chosen_logprobs(choice.get("logprobs")),
@@ -98,13 +114,14 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
                     call.error = stream_error(event)
                 continue
             for call in calls:
-                call.request_id = call.request_id or event.get("id")
-                call.model = event.get("model") or call.model
-                if event.get("usage") and len(calls) == 1:
-                    call.usage = event["usage"]
-            for choice in event.get("choices") or ():
+                call.request_id = call.request_id or text_of(event.get("id"))
+                call.model = text_of(event.get("model")) or call.model
+                if (usage := usage_of(event.get("usage"))) and len(calls) == 1:
+                    call.usage = usage
+            for item in as_list(event.get("choices"), "an event's choices"):
+                choice = as_object(item, "a choice")
                 merged.add(choice, choice.get("text"))
-                owner = int(choice.get("index") or 0) // n
+                owner = index_of(choice, "choice") // n
                 versions[owner] = weight_version_of(choice) or versions.get(owner)
         outputs = merged.outputs()
         prompt_ids = merged.prompt_token_ids
@@ -120,4 +137,3 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     for owner, version in versions.items():
         if owner < len(calls):
             calls[owner].weight_version = version
-    return [ParsedCall(call, request) for call in calls]

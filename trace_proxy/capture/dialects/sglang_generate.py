@@ -15,11 +15,15 @@ from trace_proxy.capture.dialects.common import (
     ParsedCall,
     ParseError,
     as_int_list,
+    as_object,
     as_prompt_ids,
     fill_response,
+    index_of,
     new_call,
     stream_error,
     stream_events,
+    text_of,
+    unparsed_response,
 )
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.trajectories.record import Output, Prompt
@@ -46,7 +50,10 @@ def _prompts(request: Mapping[str, Any]) -> list[Prompt]:
 
 
 def _item(value: Any, i: int) -> Any:
-    return value[i] if isinstance(value, list) else value
+    """Prompt i's entry of a per-prompt list (None past its end), or the one shared value."""
+    if isinstance(value, list):
+        return value[i] if i < len(value) else None
+    return value
 
 
 def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
@@ -64,6 +71,14 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
         parsed.append(ParsedCall(call, body))
         n = params.get("n", 1) if isinstance(params, dict) else 1
         samples.append(n if isinstance(n, int) and n > 0 else 1)
+    try:
+        _fill(parsed, samples, ex)
+    except ParseError as exc:
+        unparsed_response([p.call for p in parsed], exc)
+    return parsed
+
+
+def _fill(parsed: list[ParsedCall], samples: list[int], ex: Exchange) -> None:
     first = parsed[0].call
     body = fill_response(first, ex)
     for p in parsed[1:]:
@@ -78,16 +93,15 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
                 for p in parsed:
                     p.call.error = stream_error(event)
                 continue
-            index = int(event.get("index") or 0)
+            index = index_of(event, "chunk")
             final[index] = _merge_chunk(final.get(index), event)
         _assign(sorted(final.items()), parsed, samples)
-    return parsed
 
 
 def _merge_chunk(previous: dict[str, Any] | None, chunk: dict[str, Any]) -> dict[str, Any]:
     """Fold a chunk into the running object, whether the stream is cumulative or incremental."""
     ids = as_int_list(chunk.get("output_ids")) or []
-    meta = chunk.get("meta_info") or {}
+    meta = as_object(chunk.get("meta_info"), "a chunk's meta_info")
     if previous is None:
         return {**chunk, "output_ids": ids}
     done = meta.get("completion_tokens")
@@ -97,45 +111,54 @@ def _merge_chunk(previous: dict[str, Any] | None, chunk: dict[str, Any]) -> dict
         return {**chunk, "output_ids": ids}
     merged_meta = dict(meta)
     for key in ("output_token_logprobs", "output_top_logprobs"):
-        old = (previous.get("meta_info") or {}).get(key)
+        old = as_object(previous.get("meta_info"), "a chunk's meta_info").get(key)
         if isinstance(old, list) and isinstance(meta.get(key), list):
             merged_meta[key] = old + meta[key]
     return {
         **chunk,
-        "text": (previous.get("text") or "") + (chunk.get("text") or ""),
+        "text": (text_of(previous.get("text")) or "") + (text_of(chunk.get("text")) or ""),
         "output_ids": previous["output_ids"] + ids,
         "meta_info": merged_meta,
     }
 
 
+def _owner(k: int, samples: list[int]) -> tuple[int, int] | None:
+    """Object k's prompt and sample, in prompt-major order (without listing every pair: a
+    request may ask for any `n`)."""
+    for i, n in enumerate(samples):
+        if k < n:
+            return i, k
+        k -= n
+    return None
+
+
 def _assign(items: list[tuple[int, Any]], parsed: list[ParsedCall], samples: list[int]) -> None:
     """Object k belongs to prompt i, sample j, in prompt-major order."""
-    owners = [(i, j) for i, n in enumerate(samples) for j in range(n)]
     for k, obj in items:
-        if not isinstance(obj, dict) or k >= len(owners):
+        owner = _owner(k, samples)
+        if not isinstance(obj, dict) or owner is None:
             raise ParseError("response objects do not match the request's prompts and n")
-        i, j = owners[k]
+        i, j = owner
         call = parsed[i].call
-        meta = obj.get("meta_info") or {}
+        meta = as_object(obj.get("meta_info"), "an object's meta_info")
         finish = meta.get("finish_reason")
-        logprobs = meta.get("output_token_logprobs")
         call.outputs.append(
             Output(
                 index=j,
-                text=obj.get("text") or None,
+                text=text_of(obj.get("text")),
                 token_ids=as_int_list(obj.get("output_ids")),
-                logprobs=[float(t[0]) for t in logprobs if isinstance(t, list) and t]
-                if isinstance(logprobs, list)
-                else None,
+                logprobs=_logprobs(meta.get("output_token_logprobs")),
                 finish_reason=finish.get("type") if isinstance(finish, dict) else finish,
                 stop_reason=finish.get("matched") if isinstance(finish, dict) else None,
             )
         )
-        call.request_id = call.request_id or meta.get("id")
+        call.request_id = call.request_id or text_of(meta.get("id"))
         if meta.get("weight_version") is not None:
             call.weight_version = str(meta["weight_version"])
         usage = {
-            k: meta[k] for k in ("prompt_tokens", "completion_tokens", "cached_tokens") if k in meta
+            k: meta[k]
+            for k in ("prompt_tokens", "completion_tokens", "cached_tokens")
+            if isinstance(meta.get(k), int) and not isinstance(meta[k], bool)
         }
         if usage:
             if call.usage is None:
@@ -144,3 +167,17 @@ def _assign(items: list[tuple[int, Any]], parsed: list[ParsedCall], samples: lis
                 call.usage["completion_tokens"] = call.usage.get(
                     "completion_tokens", 0
                 ) + usage.get("completion_tokens", 0)
+
+
+def _logprobs(entries: Any) -> list[float] | None:
+    """The first item of each `[logprob, token_id, text]` (None when one is not a number)."""
+    if not isinstance(entries, list):
+        return None
+    values = []
+    for entry in entries:
+        if isinstance(entry, list) and entry:
+            value = entry[0]
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                return None
+            values.append(float(value))
+    return values

@@ -14,16 +14,22 @@ from trace_proxy.capture.dialects.common import (
     ParsedCall,
     ParseError,
     as_int_list,
+    as_list,
+    as_object,
     as_prompt_ids,
     chosen_logprobs,
     fill_response,
+    index_of,
     new_call,
     stream_error,
     stream_events,
+    text_of,
+    unparsed_response,
+    usage_of,
     weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.trajectories.record import Output
+from trace_proxy.trajectories.record import GenerateCall, Output
 
 NAME = "vllm.generate"
 ROUTES = ("/inference/v1/generate",)
@@ -39,17 +45,26 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     if isinstance(params, dict):
         call.sampling.update(params)
     call.prompt.token_ids = token_ids
+    try:
+        _fill(call, ex)
+    except ParseError as exc:
+        unparsed_response([call], exc)
+    return [ParsedCall(call, request)]
+
+
+def _fill(call: GenerateCall, ex: Exchange) -> None:
     body = fill_response(call, ex, skip_prompt_echo=True)
     if body is not None:
         if not isinstance(body, dict) or not isinstance(body.get("choices"), list):
             raise ParseError("response has no 'choices' list")
-        call.request_id = body.get("request_id")
-        call.model = body.get("model") or call.model
-        call.usage = body.get("usage")
-        for choice in body["choices"]:
+        call.request_id = text_of(body.get("request_id"))
+        call.model = text_of(body.get("model")) or call.model
+        call.usage = usage_of(body.get("usage"))
+        for item in body["choices"]:
+            choice = as_object(item, "a choice")
             call.outputs.append(
                 Output(
-                    index=int(choice.get("index") or 0),
+                    index=index_of(choice, "choice"),
                     token_ids=as_int_list(choice.get("token_ids")),
                     logprobs=chosen_logprobs(choice.get("logprobs")),
                     finish_reason=choice.get("finish_reason"),
@@ -63,12 +78,12 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
             if "error" in event and "choices" not in event:
                 call.error = stream_error(event)
                 continue
-            call.request_id = call.request_id or event.get("request_id")
-            call.model = event.get("model") or call.model
-            if event.get("usage"):
-                call.usage = event["usage"]
-            for choice in event.get("choices") or ():
+            call.request_id = call.request_id or text_of(event.get("request_id"))
+            call.model = text_of(event.get("model")) or call.model
+            if usage := usage_of(event.get("usage")):
+                call.usage = usage
+            for item in as_list(event.get("choices"), "an event's choices"):
+                choice = as_object(item, "a choice")
                 merged.add(choice, None)
                 call.weight_version = weight_version_of(choice) or call.weight_version
         call.outputs = merged.outputs()
-    return [ParsedCall(call, request)]
