@@ -132,6 +132,8 @@ RESPONSES: dict[str, list[Json]] = {
         {"text": " Paris.", "output_ids": [12095, 13], "meta_info": SGLANG_META},
         [{"text": "a", "output_ids": [1], "meta_info": SGLANG_META},
          {"text": "b", "output_ids": [2], "meta_info": {**SGLANG_META, "id": "b-0"}}],
+        {"text": ["The capital of France is Paris."],  # vLLM's legacy /generate
+         "meta_info": {"finish_reason": {"type": "abort"}}},
     ],
 }
 EVENTS_OF: dict[str, list[Json]] = {

@@ -293,6 +293,19 @@ def test_a_chat_message_with_a_list_for_a_role_is_recorded_without_keys() -> Non
     assert [len(r.calls) for r in records if isinstance(r, Trajectory)] == [1]
 
 
+def test_a_legacy_list_of_texts_is_kept_and_nothing_builds_on_it() -> None:
+    """vLLM's legacy `/generate` answers `{"text": [prompt + output]}`, which the record keeps
+    as it came; keyless grouping added that list to the prompt's text (TypeError: the call
+    was lost), and so did resuming an aborted call."""
+    capture, calls, records = stage()
+    response = b'{"text": ["a b"], "meta_info": {"finish_reason": {"type": "abort"}}}'
+    for prompt in (b'{"text": "a"}', b'{"text": "a"}'):
+        capture.process(exchange("/generate", prompt, response))
+    capture._assembler.close_all()
+    assert [c.outputs[0].text for c in calls] == [["a b"], ["a b"]]
+    assert sum(len(r.calls) for r in records if isinstance(r, Trajectory)) == 2
+
+
 def test_every_line_ending_of_event_streams_is_read() -> None:
     """A lone CR ends a line in an event stream as CRLF and LF do; only LF and CRLF were
     read, so a stream written with CR gave no events."""

@@ -171,7 +171,7 @@ class LimitedHandler(RequestHandler):
         self._rejections(
             "header_timeout",
             f"a client did not send a request's headers within {self._limits.header_timeout:g} "
-            "s (--client-header-timeout): answered 408 and closed",
+            "s (--client-header-timeout): answered 408 (nothing, if it sent nothing) and closed",
         )
         if self._partial_head:  # a connection that sent nothing is closed without a word
             transport.write(REQUEST_TIMEOUT)

@@ -39,6 +39,7 @@ from trace_proxy.trajectories.record import (
     ids_list,
     ids_text_tail,
     new_record_id,
+    output_text,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
@@ -641,9 +642,9 @@ def resumes(
     now_ids = ids_list(now.token_ids)
     if before_ids is not None and now_ids is not None:
         return now_ids == [*before_ids, *(first.token_ids or [])]
-    if before.text is not None and now.text is not None:
-        return now.text == before.text + (first.text or "")
-    return False
+    if before.text is not None and now.text is not None and not isinstance(first.text, list):
+        return now.text == before.text + output_text(first)
+    return False  # nothing to compare (a legacy list of texts is not the output alone)
 
 
 def merge_resumed(target: GenerateCall, call: GenerateCall) -> None:
@@ -654,7 +655,7 @@ def merge_resumed(target: GenerateCall, call: GenerateCall) -> None:
     target.segments.append(_segment(call))
     for output, more in zip(target.outputs, call.outputs, strict=False):
         output.token_ids = [*(output.token_ids or []), *(more.token_ids or [])] or None
-        output.text = ((output.text or "") + (more.text or "")) or None
+        output.text = (output_text(output) + output_text(more)) or None
         if output.logprobs is not None or more.logprobs is not None:
             output.logprobs = [*(output.logprobs or []), *(more.logprobs or [])]
         output.finish_reason, output.stop_reason = more.finish_reason, more.stop_reason

@@ -26,7 +26,7 @@ from typing import Any
 import orjson
 
 from trace_proxy import safejson
-from trace_proxy.trajectories.record import GenerateCall, RolloutKey, ids_list
+from trace_proxy.trajectories.record import GenerateCall, RolloutKey, ids_list, output_text
 
 BUCKET_ITEMS = 16  # a continuation shares its first prompt's first items
 
@@ -106,7 +106,7 @@ def _sequence(call: GenerateCall) -> Sequence[Any] | str | None:
 def _with_response(call: GenerateCall, prompt: Sequence[Any] | str) -> Sequence[Any] | str:
     first = call.outputs[0] if call.outputs else None
     if isinstance(prompt, str):
-        return prompt + ((first.text or "") if first else "")
+        return prompt + (output_text(first) if first else "")
     if call.prompt.messages is not None:
         return [*prompt, _assistant_turn(call)]
     return [*prompt, *((first.token_ids or []) if first else [])]

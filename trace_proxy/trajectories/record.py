@@ -113,6 +113,12 @@ class Output:
     response_text: str | None = None  # token2text: the decoded token_ids
 
 
+def output_text(output: Output) -> str:
+    """The output's text to build on ("" when none). vLLM's legacy `/generate` answers with a
+    list of texts, which the record keeps as it came and nothing builds on."""
+    return output.text if isinstance(output.text, str) else ""
+
+
 @dataclass(slots=True)
 class CallError:
     type: str

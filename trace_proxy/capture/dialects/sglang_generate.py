@@ -145,7 +145,7 @@ def _assign(items: list[tuple[int, Any]], parsed: list[ParsedCall], samples: lis
         call.outputs.append(
             Output(
                 index=j,
-                text=text_of(obj.get("text")),
+                text=_text(obj.get("text")),
                 token_ids=as_int_list(obj.get("output_ids")),
                 logprobs=_logprobs(meta.get("output_token_logprobs")),
                 finish_reason=finish.get("type") if isinstance(finish, dict) else finish,
@@ -167,6 +167,14 @@ def _assign(items: list[tuple[int, Any]], parsed: list[ParsedCall], samples: lis
                 call.usage["completion_tokens"] = call.usage.get(
                     "completion_tokens", 0
                 ) + usage.get("completion_tokens", 0)
+
+
+def _text(value: Any) -> Any:
+    """The output's text; also a list of texts, which is how vLLM's legacy `/generate`
+    answers on this route (one per sample, the prompt included), kept as it came."""
+    if isinstance(value, list) and value and all(isinstance(t, str) for t in value):
+        return value
+    return text_of(value)
 
 
 def _logprobs(entries: Any) -> list[float] | None:
