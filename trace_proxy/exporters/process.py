@@ -104,6 +104,10 @@ class ExportProcess(Helper):
         self._send({"op": "flush", "id": flush_id, "end": end})
         await future
 
+    def hurry(self) -> None:
+        """Shutdown has begun (the export process acts on it once it knows how)."""
+        self._send({"op": "hurry"})
+
     async def close(self, timeout: float) -> None:
         await self._stop(orjson.dumps({"op": "stop", "timeout": timeout}) + b"\n", timeout + 30)
         for _, future in self._flushes.values():  # nobody is left to answer them
