@@ -26,13 +26,15 @@ from trace_proxy.show import iter_records
 async def running_proxy(
     upstreams: list[str], output: Path, **overrides: Any
 ) -> AsyncIterator[tuple[ProxyService, str]]:
-    """A proxy on free loopback ports; stopping it (on exit) flushes every record."""
+    """A proxy on free loopback ports, once ready (its helper processes up: what cannot start
+    raises here); stopping it (on exit) flushes every record."""
     settings = dataclasses.replace(
         Settings(), upstream=upstreams, port=0, admin_port=0, output=output, **overrides
     )
     service = ProxyService(settings)
-    addresses = await service.start()
     try:
+        addresses = await service.start()
+        await service.wait_ready()
         yield service, addresses.proxy
     finally:
         await service.stop()

@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 from proxy_helpers import metric, running_proxy, trajectories
-from test_lifecycle import start_serve
+from test_lifecycle import children, start_serve
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.process import CaptureProcess
@@ -381,11 +381,6 @@ async def test_a_call_dropped_for_lack_of_room_still_counts_in_its_trajectory(
     assert gaps == sum(1 for t in stored if t["summary"]["calls_dropped"])
 
 
-def _children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as handle:
-        return [int(child) for child in handle.read().split()]
-
-
 def _gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as handle:
@@ -422,7 +417,7 @@ async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
             deadline = loop.time() + GUARD
             while await recorded_calls(session, admin) < 3 and loop.time() < deadline:
                 await asyncio.sleep(0.05)  # the count is relayed periodically: polled
-        helpers = _children(process.pid)
+        helpers = children(process.pid)
         assert helpers, "the capture process should be running"
     finally:
         process.kill()

@@ -3,35 +3,97 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 import re
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 from aiohttp import web
 from proxy_helpers import closed_port, scripted_upstream, trajectories
+
+from trace_proxy.lifeline import ORPHAN_SLACK
 
 GUARD = 30
 
 
 async def start_serve(
-    upstream: str, output: Path, *extra: str
+    upstream: str, output: Path, *extra: str, env: dict[str, str] | None = None
 ) -> tuple[asyncio.subprocess.Process, str, str]:
-    """A `trace-proxy serve` process; its proxy and admin addresses from its ready line."""
+    """A `trace-proxy serve` process; its proxy and admin addresses from the line it prints
+    once it listens."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "trace_proxy", "serve", "--upstream", upstream,
         "--port", "0", "--admin-port", "0", "--output", str(output), *extra,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
     )  # fmt: skip
     assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), GUARD)).decode()
+    try:
+        line = (await asyncio.wait_for(process.stdout.readline(), GUARD)).decode()
+    except asyncio.TimeoutError:
+        process.kill()
+        await process.wait()
+        raise AssertionError(f"the proxy did not listen within {GUARD} s") from None
     match = re.search(r"forwarding (http://\S+) ->.* metrics at (http://\S+)/metrics", line)
     assert match, line
     return process, match.group(1), match.group(2)
+
+
+async def readiness(session: aiohttp.ClientSession, admin: str) -> tuple[int, dict[str, Any]]:
+    async with session.get(admin + "/ready") as response:
+        return response.status, await response.json()
+
+
+async def until_ready(session: aiohttp.ClientSession, admin: str, within: float = GUARD) -> None:
+    """Poll /ready until it says 200 (what an orchestrator does), or fail naming what is not."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        status, body = await readiness(session, admin)
+        if status == 200:
+            return
+        assert loop.time() < deadline, body
+        await asyncio.sleep(0.05)  # readiness is polled, as orchestrators do
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, from any of its threads (helpers start theirs from a
+    thread of their own)."""
+    found: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as handle:
+                found.extend(int(child) for child in handle.read().split())
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return found
+
+
+def gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+async def until_gone(pids: list[int], within: float) -> float:
+    """Seconds until every process is gone (an orphan's exit cannot be awaited: polled); fails
+    past `within`."""
+    loop = asyncio.get_running_loop()
+    began = loop.time()
+    while not all(gone(pid) for pid in pids):
+        alive = [pid for pid in pids if not gone(pid)]
+        assert loop.time() - began < within, f"still running after {within} s: {alive}"
+        await asyncio.sleep(0.05)
+    return loop.time() - began
 
 
 async def test_sigterm_drains_in_flight_streams_then_flushes(tmp_path: Path) -> None:
@@ -56,8 +118,9 @@ async def test_sigterm_drains_in_flight_streams_then_flushes(tmp_path: Path) -> 
         return response
 
     async with scripted_upstream(upstream) as up:
-        process, proxy, _ = await start_serve(up, tmp_path)
+        process, proxy, admin = await start_serve(up, tmp_path)
         async with aiohttp.ClientSession() as session:
+            await until_ready(session, admin)
             response = await session.post(
                 proxy + "/v1/completions",
                 json={"prompt": [5, 6, 7], "stream": True},
@@ -75,10 +138,16 @@ async def test_sigterm_drains_in_flight_streams_then_flushes(tmp_path: Path) -> 
             except aiohttp.ClientConnectionError:
                 refused = True
             assert refused
+            # Orchestrators stop routing here, and see why.
+            status, ready = await readiness(session, admin)
+            assert status == 503 and ready["not_ready"] == ["listening"]
+            assert ready["checks"]["listening"] == "stopping"
             finish_generation.set()
             body = await asyncio.wait_for(response.read(), GUARD)
             assert body.endswith(b"data: [DONE]\n\n") and b'"lo"' in body
         assert await asyncio.wait_for(process.wait(), GUARD) == 0
+        stopped = await process.stdout.read()
+        assert stopped.endswith(b"trace-proxy: stopped; left in the spool: jsonl 0\n"), stopped
     [trajectory] = trajectories(tmp_path)
     assert trajectory["close_reason"] == "shutdown"
     assert trajectory["key"]["step"] == 4
@@ -100,3 +169,145 @@ async def test_port_in_use_is_a_clear_error(tmp_path: Path) -> None:
     blocker.close()
     assert process.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in stderr.decode()
+
+
+async def chat(session: aiohttp.ClientSession, proxy: str, step: int, sample: int,
+               done: bool = True) -> None:  # fmt: skip
+    body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": f"q{sample}"}],
+            "max_tokens": 4}  # fmt: skip
+    headers = {"X-Rollout-Step": str(step), "X-Rollout-Sample-Index": str(sample)}
+    if done:
+        headers["X-Rollout-Done"] = "1"
+    async with session.post(proxy + "/v1/chat/completions", json=body, headers=headers) as r:
+        assert r.status == 200
+        await r.read()
+
+
+async def metric_sum(session: aiohttp.ClientSession, admin: str, prefix: str) -> float:
+    async with session.get(admin + "/metrics") as response:
+        text = await response.text()
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith(prefix))  # fmt: skip
+
+
+async def until(check: Callable[[], Any], within: float = GUARD) -> None:
+    """Poll a condition (relayed metrics, files another process writes; a coroutine or not)
+    with a deadline."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        assert loop.time() < deadline, "not within the deadline"
+        await asyncio.sleep(0.05)
+
+
+def stored(output: Path) -> list[tuple[int, int, int]]:
+    """(step, sample, calls) of every stored trajectory, sorted: duplicates show."""
+    return sorted((t["key"]["step"], t["key"]["sample_index"], len(t["calls"]))
+                  for t in trajectories(output))  # fmt: skip
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+async def test_helpers_of_a_killed_proxy_finish_in_time_and_a_new_proxy_takes_over(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    """SIGKILL leaves the helpers without their proxy. Here the export process also gets no
+    CPU (stopped, as SCHED_IDLE on saturated cores would be). They finish what they hold and are
+    gone within the grace and ORPHAN_SLACK; a new proxy on the same --output listens at once,
+    waits for them before it writes or exports the spool, then exports what they left: every
+    trajectory once."""
+    _, upstream = fake_vllm
+    grace = 3.0
+    first, proxy, admin = await start_serve(upstream, tmp_path, "--shutdown-grace", str(grace))
+    async with aiohttp.ClientSession() as session:
+        await until_ready(session, admin)
+        for sample in range(3):
+            await chat(session, proxy, 1, sample)
+        await until(lambda: len(trajectories(tmp_path)) == 3)
+        [capture] = children(first.pid)
+        [export] = children(capture)
+        os.kill(export, signal.SIGSTOP)
+        for sample in range(3, 6):  # spooled, not exported
+            await chat(session, proxy, 1, sample)
+        for _ in range(2):  # an open trajectory: only the capture process holds it
+            await chat(session, proxy, 2, 0, done=False)
+
+        async def all_recorded() -> bool:  # the capture process has them: what it holds
+            return await metric_sum(session, admin, "trace_proxy_calls_recorded") == 8
+
+        await until(all_recorded)
+    first.kill()  # (its exit cannot be awaited: that waits for its pipes, which they hold)
+    killed = asyncio.get_running_loop().time()
+    await until_gone([first.pid], within=5.0)
+
+    second, proxy, admin = await start_serve(upstream, tmp_path, "--shutdown-grace", str(grace))
+    try:
+        async with aiohttp.ClientSession() as session:
+            await chat(session, proxy, 3, 0)  # forwarding does not wait for the leftovers
+
+            async def waits_for_leftover() -> bool:
+                _, body = await readiness(session, admin)
+                return "waiting for process" in body["checks"]["export"]
+
+            await until(waits_for_leftover)
+            assert (await readiness(session, admin))[0] == 503
+            await until_gone([capture, export], within=grace + ORPHAN_SLACK + 5)
+            assert asyncio.get_running_loop().time() - killed < grace + ORPHAN_SLACK + 5
+            await until_ready(session, admin)
+    finally:
+        second.terminate()
+        assert await asyncio.wait_for(second.wait(), GUARD) == 0
+        await first.wait()
+    assert stored(tmp_path) == [(1, i, 1) for i in range(6)] + [(2, 0, 2), (3, 0, 1)]
+    [held] = [t for t in trajectories(tmp_path) if t["key"]["step"] == 2]
+    assert held["close_reason"] == "shutdown"
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
+async def test_sigterm_ends_a_helper_within_5_seconds_and_the_proxy_replaces_it(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    _, upstream = fake_vllm
+    process, proxy, admin = await start_serve(upstream, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_ready(session, admin)
+            await chat(session, proxy, 1, 0, done=False)  # held by the capture process
+            [capture] = children(process.pid)
+            [export] = children(capture)
+            os.kill(export, signal.SIGTERM)
+            assert await until_gone([export], within=5.0) < 5.0
+            os.kill(capture, signal.SIGTERM)
+            assert await until_gone([capture], within=5.0) < 5.0
+            await until_ready(session, admin)  # replaced
+            await chat(session, proxy, 1, 1)
+    finally:
+        process.terminate()
+        assert await asyncio.wait_for(process.wait(), GUARD) == 0
+    # What the capture process held when it was told to go was spooled, then exported.
+    assert stored(tmp_path) == [(1, 0, 1), (1, 1, 1)]
+
+
+async def test_a_second_proxy_on_a_running_proxys_spool_is_a_clear_error(tmp_path: Path) -> None:
+    upstream = f"http://127.0.0.1:{closed_port()}"
+    first, _, admin = await start_serve(upstream, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_ready(session, admin)
+        second = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "trace_proxy", "serve", "--upstream", upstream,
+            "--port", "0", "--admin-port", "0", "--output", str(tmp_path),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        stdout, stderr = await asyncio.wait_for(second.communicate(), GUARD)
+    finally:
+        first.terminate()
+        await first.wait()
+    assert second.returncode == 2 and not stdout  # it never listened
+    [line] = stderr.decode().splitlines()
+    assert line.startswith("trace-proxy: error: ")
+    assert f"is the spool of another running trace-proxy (process {first.pid})" in line

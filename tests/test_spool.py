@@ -1,8 +1,13 @@
 """The spool on disk: whole framed lines, numbering that survives restarts, torn tails and damaged
-lines handled, a disk budget whose deletions are counted, one writer per directory."""
+lines handled, a disk budget whose deletions are counted, one writer and one exporter per
+directory (a leftover of a killed proxy waited for, a running proxy's spool refused)."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,8 +17,12 @@ from trace_proxy.exporters.spool import (
     CursorState,
     SpoolBusy,
     SpoolFull,
+    SpoolLock,
     SpoolReader,
     SpoolWriter,
+    acquire,
+    backlog,
+    check_not_in_use,
     release,
     segments,
 )
@@ -128,3 +137,64 @@ def test_one_writer_per_spool_directory(tmp_path: Path) -> None:
         SpoolWriter(tmp_path, max_bytes=1 << 20)
     spool.close()
     SpoolWriter(tmp_path, max_bytes=1 << 20).close()  # free again once the first one closed
+
+
+def _finished_pid() -> int:
+    """The pid of a process that has ended: stands for a proxy that was killed."""
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_spool_held_for_a_running_proxy_is_an_error_at_once(tmp_path: Path) -> None:
+    other = os.getppid()  # running, and not us: stands for another proxy
+    held = SpoolLock(tmp_path, "writer", proxy=other)
+    assert held.try_acquire() is None
+    message = rf"another running trace-proxy \(process {other}\)"
+    with pytest.raises(SpoolBusy, match=message):
+        check_not_in_use(tmp_path, os.getpid())
+    with pytest.raises(SpoolBusy, match=message):  # not waited for
+        asyncio.run(acquire(SpoolLock(tmp_path, "writer"), wait=60))
+    held.release()
+    check_not_in_use(tmp_path, os.getpid())
+
+
+async def test_a_leftover_is_waited_for_a_bounded_time(tmp_path: Path) -> None:
+    """The helpers of a killed proxy still hold the lock while they finish: a new proxy waits
+    for them (saying so), then has it; past its bound, SpoolBusy."""
+    leftover = SpoolLock(tmp_path, "export", proxy=_finished_pid())
+    assert leftover.try_acquire() is None
+    check_not_in_use(tmp_path, os.getpid())  # not an error: it will be gone
+    told: list[str] = []
+    waiting = asyncio.Event()
+
+    def on_wait(why: str) -> None:
+        told.append(why)
+        waiting.set()
+
+    ours = SpoolLock(tmp_path, "export")
+    taking = asyncio.ensure_future(acquire(ours, wait=60, on_wait=on_wait))
+    await asyncio.wait_for(waiting.wait(), 10)
+    assert not taking.done() and not ours.held
+    assert told == [f"waiting for process {os.getpid()}, left by an earlier trace-proxy, to "
+                    "finish with the spool (at most 60 s)"]  # fmt: skip
+    leftover.release()
+    await asyncio.wait_for(taking, 10)
+    assert ours.held
+
+    ours.release()
+
+    stuck = SpoolLock(tmp_path, "export", proxy=_finished_pid())
+    assert stuck.try_acquire() is None
+    with pytest.raises(SpoolBusy, match=r"still held by process \d+ after 0 s"):
+        await acquire(SpoolLock(tmp_path, "export"), wait=0.2)
+    stuck.release()
+
+
+def test_backlog_counts_what_each_backend_has_not_exported(tmp_path: Path) -> None:
+    spool = SpoolWriter(tmp_path, max_bytes=1 << 20)
+    end = spool.append(payloads(0, 5))
+    Cursor(tmp_path, "fast").save(CursorState(5))
+    Cursor(tmp_path, "slow").save(CursorState(2))
+    assert backlog(tmp_path, ["fast", "slow", "new"], end) == {"fast": 0, "slow": 3, "new": 5}
+    spool.close()

@@ -116,12 +116,8 @@ async def _serve(settings: Settings) -> int:
         return EXIT_USAGE
     try:
         addresses = await service.start()
-    except TokenizerError as exc:
-        print(f"trace-proxy: error: invalid value for --tokenizer: {exc}", file=sys.stderr)
-        await service.stop()
-        return EXIT_USAGE
-    except ConfigError as exc:  # reported by the export process as it starts
-        print(f"trace-proxy: error: {exc}", file=sys.stderr)
+    except (TokenizerError, ConfigError) as exc:
+        print(f"trace-proxy: error: {_start_error(exc)}", file=sys.stderr)
         await service.stop()
         return EXIT_USAGE
     except OSError as exc:
@@ -135,18 +131,43 @@ async def _serve(settings: Settings) -> int:
     print(
         f"trace-proxy: forwarding {addresses.proxy} -> {', '.join(settings.upstream)}; "
         f"records -> {', '.join(settings.backend)} ({settings.output}); "
-        f"metrics at {addresses.admin}/metrics",
+        f"metrics at {addresses.admin}/metrics, readiness at {addresses.admin}/ready",
         flush=True,
     )
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
-    await stopping.wait()
+    failure = service.failure
+    assert failure is not None
+    signalled = asyncio.ensure_future(stopping.wait())
+    waits: list[asyncio.Future[Any]] = [signalled, failure]
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    signalled.cancel()
+    code = 0
+    if failure.done():  # found while starting in the background: the same one clear error
+        print(f"trace-proxy: error: {_start_error(failure.result())}", file=sys.stderr,
+              flush=True)  # fmt: skip
+        code = EXIT_USAGE
     print("trace-proxy: stopping: draining in-flight requests, then flushing records", flush=True)
     await service.stop()
-    print("trace-proxy: stopped", flush=True)
-    return 0
+    left = service.backlog
+    spooled = f"; left in the spool: {_counts(left)}" if left is not None else ""
+    print(f"trace-proxy: stopped{spooled}", flush=True)
+    return code
+
+
+def _start_error(error: BaseException) -> str:
+    from trace_proxy.trajectories.token2text import TokenizerError
+
+    if isinstance(error, TokenizerError):
+        return f"invalid value for --tokenizer: {error}"
+    return str(error)
+
+
+def _counts(backlog: dict[str, int]) -> str:
+    """Records per backend, as `jsonl 0, mlflow 12`."""
+    return ", ".join(f"{name} {count}" for name, count in backlog.items())
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -249,8 +249,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("host", parse_host, "127.0.0.1", "address to listen on (loopback unless told)",
            commands=("serve",)),
     Option("port", parse_port, 8100, "port to listen on (0 picks a free one)"),
-    Option("admin_port", parse_port, 8101,
-           "port of the admin endpoints (/metrics, /health) on the same host; 0 picks a free one"),
+    Option("admin_port", parse_port, 8101, "port of the admin endpoints (/metrics, /health, "
+           "/ready) on the same host; 0 picks a free one"),
     Option("admin_token", parse_str, None, "if set, every admin route that changes state "
            "(POST /rewards) needs 'Authorization: Bearer <token>'", metavar="TOKEN"),
     Option("backend", _backends, ["jsonl"], "where closed trajectories go "
@@ -284,7 +284,8 @@ OPTIONS: tuple[Option, ...] = (
            "the earlier step's trajectories once idle this long (asynchronous rollouts can "
            "outlive a weight update; 0: at once)", metavar="SECONDS"),
     Option("shutdown_grace", parse_seconds, 30.0, "on SIGTERM/SIGINT, seconds to let in-flight "
-           "requests finish before records are flushed", metavar="SECONDS"),
+           "requests finish before records are flushed, and then for the backends to catch up; "
+           "helper processes whose proxy was killed finish within it", metavar="SECONDS"),
     Option("map", _mapping, ["header:X-Session-ID=trajectory_id"],
            "take a key field from what clients already send: SOURCE:NAME=FIELD or "
            "SOURCE:NAME=/REGEX with named groups/; SOURCE is header or body (repeatable)",
@@ -362,9 +363,10 @@ OPTIONS: tuple[Option, ...] = (
            "(process), so they never take CPU time from forwarding, or in the proxy's (inline)",
            metavar="MODE", commands=("serve", "demo")),
     Option("export_priority", parse_priority, "idle", "CPU priority of the export "
-           "process: idle (only CPU time nothing else wants: exporting never slows forwarding, "
-           "but waits while the cores are saturated), low (nice 19) or normal",
-           metavar="PRIORITY", commands=("serve", "demo")),
+           "process's work: idle (only CPU time nothing else wants: exporting never slows "
+           "forwarding, but waits while the cores are saturated), low (nice 19) or normal; "
+           "from SIGTERM on it exports at the proxy's priority", metavar="PRIORITY",
+           commands=("serve", "demo")),
     Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
            metavar="LEVEL", commands=("serve", "demo")),
 )  # fmt: skip

@@ -1,7 +1,8 @@
 """Prometheus metrics of one proxy, in its own registry (no process-global state).
 
 `Metrics` belongs to the forwarding process and to the capture process (each fills in its
-part); `ExportMetrics` to whichever process exports. Helper processes send their samples to
+part; the spool's backlog is the part of whichever writes the spool); `ExportMetrics` to
+whichever process exports. Helper processes send their samples to
 the process above them, which relays them; `exposition` merges what several report.
 """
 
@@ -173,6 +174,13 @@ class Metrics:
             "Bytes of records on disk in the spool (exported by some backends, not all)",
             registry=r,
         )
+        self.export_queue = Gauge(
+            "trace_proxy_export_queue",
+            "Records in the spool a backend has not exported yet, by its cursor (also while the "
+            "export process is starting or down)",
+            ["backend"],
+            registry=r,
+        )
         self.capture_process_restarts = Counter(
             "trace_proxy_capture_process_restarts",
             "Times the capture process ended unexpectedly and was started again",
@@ -186,7 +194,7 @@ class Metrics:
 
 
 class ExportMetrics:
-    """Per-backend accounting of the exporters: exported, retried, dropped, backlog, health."""
+    """Per-backend accounting of the exporters: exported, retried, dropped, lag, health."""
 
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
@@ -231,12 +239,6 @@ class ExportMetrics:
         self.backend_up = Gauge(
             "trace_proxy_backend_up",
             "1 while a backend's last export succeeded, 0 while it is failing",
-            ["backend"],
-            registry=r,
-        )
-        self.export_queue = Gauge(
-            "trace_proxy_export_queue",
-            "Records in the spool a backend has not exported yet",
             ["backend"],
             registry=r,
         )

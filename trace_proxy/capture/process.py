@@ -19,15 +19,22 @@ exchanges are dropped and counted (`capture_queue_bytes`); the child's queue hol
 half. If the child dies, the exchanges in transit, in its queue and in its open trajectories
 are lost (counted, at most, as `capture_process_lost`; logged) and another child starts.
 
+Start-up: the forwarder writes to the socket from the moment the child is spawned; the child
+reads once it is up (a second or so), and says `ready` before its spool and its export process
+are: those report through its `status` (`checks`, for /ready). A configuration error found
+after that (a tokenizer, a backend, a spool held by another proxy) comes as `fatal`.
+
 Messages to the child are frames (`wire.py`): exchanges, and control messages `annotate`,
-`flush`, `stop`. From it, JSON lines: `ready` or `error`, `status` (metrics text, open
-trajectories, exchanges received), `discovered`, `annotated`, `flushed`, `stopped`.
+`flush`, `hurry` (shutdown has begun), `stop`. From it, JSON lines: `ready` or `error`,
+`status` (metrics text, open trajectories, exchanges received, readiness checks, and at the end
+the spool's backlog), `fatal`, `discovered`, `annotated`, `flushed`, `stopped`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import sys
@@ -42,8 +49,9 @@ from trace_proxy.capture.metadata import KeyHints, MetadataResolver, parse_mappi
 from trace_proxy.capture.recorder import Recorder
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.wire import FrameReader, encode_control, encode_exchange
-from trace_proxy.child import Helper, receive_payload, run_child
+from trace_proxy.child import Helper, Started, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
+from trace_proxy.lifeline import Lifeline
 from trace_proxy.metrics import Metrics, RelayedMetrics
 from trace_proxy.trajectories.rewards import RewardError
 from trace_proxy.trajectories.sampler import sampler_of
@@ -51,7 +59,6 @@ from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT = 330.0  # the export process under it may take 300 s
 STATUS_EVERY = 1.0
 RESTART_DELAY = 1.0
 SOCKET_BUFFER = 4 << 20  # the kernel's share of the backlog (at most a quarter of ours)
@@ -62,7 +69,6 @@ class CaptureProcess(Helper):
     """The forwarder's side: starts, feeds, supervises and stops the capture process."""
 
     name = "capture process"
-    start_timeout = START_TIMEOUT
     restart_delay = RESTART_DELAY
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
@@ -90,6 +96,8 @@ class CaptureProcess(Helper):
         self._refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # as the child said
         self._sampler = sampler_of(settings)  # for the refusals that need no state alone
         self._refuses_alone = self._sampler.refuses_alone
+        self._child_checks: dict[str, str] = {}  # as the child last said
+        self.backlog: dict[str, int] | None = None  # per backend, as the child said at its end
 
     @property
     def backends(self) -> list[str]:
@@ -161,6 +169,25 @@ class CaptureProcess(Helper):
         where: str = await self._ask({"op": "annotate", "outcome": payload})
         return where
 
+    def checks(self) -> dict[str, str]:
+        """For /ready: this process's state, and what it last said of its spool, its export
+        process and the tokenizers."""
+        checks = {"capture": self.check}
+        if self.ready and self._child_checks:
+            checks.update(self._child_checks)
+        else:
+            checks["export"] = checks["spool"] = "waiting for the capture process"
+            if self.settings.token2text:
+                checks["tokenizer"] = "waiting for the capture process"
+        return checks
+
+    def hurry(self) -> None:
+        """Shutdown has begun: the export process may use more CPU to drain the spool."""
+        writer = self._writer
+        if self._transport is not None and writer is not None and not writer.is_closing():
+            self._write_pending()
+            writer.write(encode_control({"op": "hurry"}))
+
     async def stop(self, timeout: float) -> None:
         """After the listener stopped: the child parses what it has, closes every trajectory
         and exports (within `timeout`), then leaves."""
@@ -169,10 +196,12 @@ class CaptureProcess(Helper):
         self._transport = None
         self._fail_answers("the capture process has stopped")
 
-    def _started(self) -> None:
+    def _connected(self) -> None:
+        """From now on exchanges go to this child; they wait in the socket until it is up."""
         assert self._writer is not None
         self._sent = self._received = self._held = 0
         self._refused.clear()  # a new sampler: it says again what it refuses
+        self._child_checks = {}
         self._transport = self._writer.transport  # type: ignore[assignment]
         self.generation += 1
 
@@ -195,6 +224,14 @@ class CaptureProcess(Helper):
             self.open_count = message["open"]
             self._received = message["received"]
             self._held = message["held"]
+            self.backlog = message.get("backlog", self.backlog)
+            if message["checks"] != self._child_checks:
+                self._child_checks = message["checks"]
+                if self.on_change is not None:
+                    self.on_change()
+        elif op == "fatal":
+            kind = TokenizerError if message.get("kind") == "tokenizer" else ConfigError
+            self._fail(kind(message["message"]))
         elif op == "refused":
             _remember(self._refused, tuple(message["sample"]))
         elif op in ("annotated", "flushed"):
@@ -237,8 +274,16 @@ def _remember(samples: OrderedDict[tuple[Any, ...], None], sample: tuple[Any, ..
 
 def main(fd: int) -> None:
     """Entry point of the capture process: `fd` is its end of the socket pair."""
-    sock, settings = receive_payload(fd)
-    run_child(_serve(settings, sock), settings.capture_priority, settings.log_level)
+    started = receive_payload(fd)
+    settings: Settings = started.payload
+    run_child(
+        functools.partial(_serve, started),
+        started,
+        name="capture process",
+        priority=settings.capture_priority,
+        log_level=settings.log_level,
+        grace=settings.shutdown_grace,
+    )
 
 
 class _Child:
@@ -264,7 +309,15 @@ class _Child:
             "open": self.recorder.open_count,
             "received": self.received,
             "held": self.recorder.held,
+            "checks": self.recorder.checks(),
+            "backlog": self.recorder.pipeline.backlog,
         })  # fmt: skip
+
+    def send_fatal(self, failure: asyncio.Future[BaseException]) -> None:
+        error = failure.result()
+        kind = "tokenizer" if isinstance(error, TokenizerError) else "config"
+        self.send_status()
+        self.send({"op": "fatal", "kind": kind, "message": str(error)})
 
     def _refused(self, hints: KeyHints) -> None:
         """Name a refused sample to the proxy once, so it stops sending the bodies of its
@@ -275,8 +328,8 @@ class _Child:
         _remember(self.refused, sample)
         self.send({"op": "refused", "sample": sample})
 
-    async def run(self) -> float:
-        """Until the proxy says stop (its timeout) or goes away (the configured grace)."""
+    async def run(self) -> float | None:
+        """Until the proxy says stop (its timeout) or goes away (None)."""
         recorder = self.recorder
         self._spawn_task(self._report())
         self._spawn_task(self._discovered())
@@ -286,7 +339,7 @@ class _Child:
             except (EOFError, ValueError) as exc:
                 if isinstance(exc, ValueError):
                     log.error("the capture process stops reading: %s", exc)
-                return recorder.settings.shutdown_grace
+                return None
             if isinstance(frame, Exchange):
                 if frame.dropped == REFUSED:
                     if recorder.admit(frame):  # not expected: the sampler refused it before
@@ -310,6 +363,8 @@ class _Child:
                     self.send({"op": "annotated", "id": frame["id"], "error": str(exc)})
                 else:
                     self.send({"op": "annotated", "id": frame["id"], "where": where})
+            elif op == "hurry":
+                recorder.hurry()
             elif op == "stop":
                 return float(frame["timeout"])
             else:
@@ -321,7 +376,11 @@ class _Child:
         task.add_done_callback(self.tasks.discard)
 
     async def _flush(self, answer_id: int) -> None:
-        await self.recorder.flush()
+        try:
+            await self.recorder.flush()
+        except RuntimeError as exc:  # nothing can export: the proxy ends on the failure
+            log.error("flush: %s", exc)
+            return
         self.send_status()
         self.send({"op": "flushed", "id": answer_id})
 
@@ -338,9 +397,11 @@ class _Child:
         self.send({"op": "discovered"})
 
 
-async def _serve(settings: Settings, sock: Any) -> None:
+async def _serve(started: Started, life: Lifeline) -> None:
+    settings: Settings = started.payload
     loop = asyncio.get_running_loop()
-    transport, reader = await loop.create_connection(FrameReader, sock=sock)
+    life.attach(loop)
+    transport, reader = await loop.create_connection(FrameReader, sock=started.sock)
     metrics = Metrics()
     try:
         recorder = Recorder(settings, metrics, queue_bytes=settings.capture_queue_bytes // 2)
@@ -355,14 +416,32 @@ async def _serve(settings: Settings, sock: Any) -> None:
         await reader.closed
         return
     child = _Child(recorder, reader)
+    life.holding()
     child.send({"op": "ready"})
-    timeout = settings.shutdown_grace
+    child.send_status()
+    recorder.on_change = child.send_status
+    assert recorder.failure is not None
+    recorder.failure.add_done_callback(child.send_fatal)
+    running = loop.create_task(child.run())
+    ended = loop.create_task(life.ended())
+    timeout, bounded = settings.shutdown_grace, True
     try:
-        timeout = await child.run()
-    finally:  # asked to stop, or the proxy is gone: record and export what we can, then leave
+        await asyncio.wait({running, ended}, return_when=asyncio.FIRST_COMPLETED)
+        if running.done():
+            asked = running.result()
+            if asked is None:  # the proxy is gone
+                timeout = life.parent_gone()
+            else:
+                timeout, bounded = asked, False
+        else:  # SIGTERM, or the proxy is gone while we were busy
+            timeout = ended.result()
+    finally:  # asked to stop, or must: record and export what we can, then leave
+        running.cancel()
+        ended.cancel()
         for task in list(child.tasks):
             task.cancel()
-        await recorder.stop(timeout)
+        recorder.on_change = None
+        await recorder.stop(timeout, bounded=bounded)
         child.send_status()
         child.send({"op": "stopped"})
         transport.close()

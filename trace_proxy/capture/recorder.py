@@ -2,11 +2,17 @@
 → exports. It runs in the capture process (`capture/process.py`), or inline in the proxy's
 process when exporter objects are handed to the proxy (tests, embedding) or
 `--capture-mode inline` asks for it. The forwarder only sees `admit` and `submit`.
+
+Starting does not wait for the spool's lock or for the exporters (loading tokenizers, importing
+SDKs): exchanges are taken at once, and `checks` says what is still starting. A configuration
+error found on the way (a tokenizer, a backend, a spool held by another proxy) is `failure`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -14,13 +20,15 @@ import aiohttp
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
 from trace_proxy.capture.stage import CaptureStage
+from trace_proxy.child import proxy_pid
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters import create_exporters
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.pipeline import ExportPipeline, Exports
 from trace_proxy.exporters.process import ExportProcess
 from trace_proxy.exporters.runner import ExportRunner
-from trace_proxy.exporters.spool import SpoolWriter
+from trace_proxy.exporters.spool import SpoolBusy, SpoolWriter
+from trace_proxy.lifeline import leftover_wait
 from trace_proxy.metrics import ExportMetrics, Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
@@ -28,7 +36,7 @@ from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.rewards import parse_outcome
 from trace_proxy.trajectories.sampler import sampler_of
-from trace_proxy.trajectories.token2text import Token2Text, load_configured
+from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
 
 
@@ -45,6 +53,10 @@ class Recorder:
         self.settings = settings
         self.metrics = metrics
         self._inline: ExportRunner | None = None
+        self._exports_started = False
+        self._starting: asyncio.Task[None] | None = None
+        self.failure: asyncio.Future[BaseException] | None = None  # made in start()
+        self.on_change: Callable[[], None] | None = None
         self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
         self.pipeline = self._export_pipeline(exporters)
         closed = children(metrics.trajectories_closed)
@@ -77,30 +89,50 @@ class Recorder:
         )
         self.token2text: Token2Text | None = None  # inline exporting only
         self.tokenizer_discovery: asyncio.Future[None] | None = None  # once upstreams answered
+        self._discovering: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
 
     def _export_pipeline(self, exporters: list[Exporter] | None) -> ExportPipeline:
         """Exporters given as objects (tests, embedding) run inline; else as configured."""
         settings = self.settings
         spool_dir = settings.spool_dir or settings.output / ".spool"
-        try:
+        try:  # the lock is taken as the pipeline starts: a leftover may still hold it
             spool = SpoolWriter(
-                spool_dir, max_bytes=settings.spool_max_bytes, fsync_interval=settings.spool_fsync
+                spool_dir,
+                max_bytes=settings.spool_max_bytes,
+                fsync_interval=settings.spool_fsync,
+                locked=False,
+                proxy=proxy_pid(),
             )
         except OSError as exc:
             raise ConfigError(f"invalid value for --spool-dir: {exc}") from None
+        wait = leftover_wait(settings.shutdown_grace)
         exports: Exports
         if exporters is None and settings.export_mode == "process":
             exports = ExportProcess(settings, spool_dir, self.metrics)
+            exports.on_change = self._changed
         else:
             self._export_metrics = ExportMetrics(self.metrics.registry)
             self._inline = ExportRunner(
                 spool_dir,
                 exporters if exporters is not None else create_exporters(settings),
                 self._export_metrics,
+                lock_wait=wait,
+                proxy=proxy_pid(),
             )
             exports = self._inline
-        return ExportPipeline(exports, self.metrics, spool, queue_size=settings.export_queue)
+        pipeline = ExportPipeline(
+            exports, self.metrics, spool, queue_size=settings.export_queue, lock_wait=wait
+        )
+        pipeline.on_change = self._changed
+        pipeline.on_failure = self._spool_failed
+        return pipeline
+
+    def _spool_failed(self, error: BaseException) -> None:
+        if isinstance(error, SpoolBusy):
+            self._fail(ConfigError(str(error)))
+        else:
+            self._fail(ConfigError(f"invalid value for --spool-dir: {error}"))
 
     @property
     def backends(self) -> list[str]:
@@ -123,40 +155,112 @@ class Recorder:
         self.capture.submit(exchange)
 
     async def start(self) -> None:
-        """Raises TokenizerError (a configured tokenizer cannot be loaded) or ConfigError (a
-        backend cannot start, in the export process)."""
-        settings = self.settings
-        if settings.token2text and self._inline is not None:
-            metrics = self._export_metrics
-            tokenizers = await asyncio.to_thread(
-                load_configured, settings.tokenizer, settings.skip_special_tokens
-            )
-            self.token2text = Token2Text(
-                tokenizers,
-                get_parser(settings.tool_parser),
-                on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
-            )
-            self._inline.add_processor(self.token2text)
-            if self.token2text.tokenizers.empty:
-                self._session = aiohttp.ClientSession()  # discovery only, off the hot path
-                self.tokenizer_discovery = asyncio.get_running_loop().create_task(
-                    discover_tokenizers(
-                        self._session,
-                        settings.upstream,
-                        self.token2text.tokenizers,
-                        settings.skip_special_tokens,
-                    )
-                )
-        await self.pipeline.start()
-        if isinstance(self.pipeline.exports, ExportProcess):
-            self.tokenizer_discovery = self.pipeline.exports.tokenizer_discovery
+        """Take exchanges from now on; the spool and the exporters start in the background
+        (`checks`; a configuration error they find is `failure`)."""
+        loop = asyncio.get_running_loop()
+        self.failure = loop.create_future()
+        self.tokenizer_discovery = loop.create_future()
         self.capture.start()
+        self.pipeline.start_writing()
+        self._starting = loop.create_task(self._start_exports())
+
+    async def _start_exports(self) -> None:
+        exports = self.pipeline.exports
+        try:
+            if self._inline is not None:
+                await self._start_inline()
+            await exports.start()
+        except (ConfigError, TokenizerError, SpoolBusy) as exc:
+            self._fail(exc if not isinstance(exc, SpoolBusy) else ConfigError(str(exc)))
+            return
+        self._exports_started = True
+        self._changed()
+        if isinstance(exports, ExportProcess):
+            assert exports.failure is not None and exports.tokenizer_discovery is not None
+            exports.failure.add_done_callback(lambda failed: self._fail(failed.result()))
+            _chain(exports.tokenizer_discovery, self.tokenizer_discovery)
+
+    async def _start_inline(self) -> None:
+        """Exporters in this process: token2text's tokenizers, then the runner."""
+        settings = self.settings
+        assert self._inline is not None
+        if not settings.token2text:
+            _settle(self.tokenizer_discovery)
+            return
+        metrics = self._export_metrics
+        tokenizers = await asyncio.to_thread(
+            load_configured, settings.tokenizer, settings.skip_special_tokens
+        )
+        self.token2text = Token2Text(
+            tokenizers,
+            get_parser(settings.tool_parser),
+            on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
+        )
+        self._inline.add_processor(self.token2text)
+        if not self.token2text.tokenizers.empty:
+            _settle(self.tokenizer_discovery)
+            return
+        self._session = aiohttp.ClientSession()  # discovery only, off the hot path
+        discovery = asyncio.get_running_loop().create_task(
+            discover_tokenizers(
+                self._session,
+                settings.upstream,
+                self.token2text.tokenizers,
+                settings.skip_special_tokens,
+            )
+        )
+        self._discovering = discovery
+        assert self.tokenizer_discovery is not None
+        _chain(discovery, self.tokenizer_discovery)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.failure is not None and not self.failure.done():
+            self.failure.set_result(error)
+        self._changed()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+    def checks(self) -> dict[str, str]:
+        """For /ready: the exporters, the spool, and the tokenizers when token2text is on
+        ("ok", or what each is doing)."""
+        failure = self.failure.result() if self.failure and self.failure.done() else None
+        exports = self.pipeline.exports
+        if isinstance(exports, ExportProcess):
+            export = exports.check
+        elif self._exports_started:
+            export = "ok"
+        else:
+            export = f"failed: {failure}" if failure is not None else "starting"
+        checks = {"export": export, "spool": self.pipeline.spool_check}
+        if self.settings.token2text:  # loaded as the exporters start
+            if export == "ok":
+                checks["tokenizer"] = "ok"
+            elif isinstance(failure, TokenizerError):
+                checks["tokenizer"] = f"failed: {failure}"
+            elif export.startswith("starting"):
+                checks["tokenizer"] = "loading"
+            else:
+                checks["tokenizer"] = "not loaded: the exporters are not running"
+        return checks
+
+    def hurry(self) -> None:
+        """Shutdown has begun: the exporters may use more CPU to drain the spool in time."""
+        self.pipeline.hurry()
 
     async def flush(self) -> None:
         """Everything submitted so far is parsed and assembled, and what it closed is exported
         by every backend (or counted)."""
         await self.capture.drain()
-        await self.pipeline.flush()
+        assert self.failure is not None, "start() first"
+        flushing = asyncio.ensure_future(self.pipeline.flush())
+        waits: list[asyncio.Future[Any]] = [flushing, self.failure]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not flushing.done():  # nothing will ever export them
+            flushing.cancel()
+            raise RuntimeError(f"records cannot be exported: {self.failure.result()}")
+        await flushing
 
     async def annotate(self, payload: Any) -> str:
         """Attach a reward (RewardError when it is not one): where its trajectory was."""
@@ -164,11 +268,40 @@ class Recorder:
         self.metrics.rewards.labels(where).inc()
         return where
 
-    async def stop(self, timeout: float) -> None:
-        """Parse what is queued, close every trajectory, export or count every record."""
-        if self.tokenizer_discovery is not None:
-            self.tokenizer_discovery.cancel()
-        await self.capture.stop()
-        await self.pipeline.close(timeout)
+    async def stop(self, timeout: float, *, bounded: bool = False) -> None:
+        """Parse what is queued, close every trajectory, export or count every record. With
+        `bounded`, all of it within `timeout` (parsing within half of it; what is not parsed
+        then is counted): the helper process holding it must end."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        self.hurry()
+        if self._discovering is not None:
+            self._discovering.cancel()
+        starting = self._starting
+        if starting is not None and not starting.done():  # the exporters get the time to start
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(starting), timeout / 2)
+            starting.cancel()  # given up: what they would export stays in the spool
+            with contextlib.suppress(asyncio.CancelledError):
+                await starting
+        await self.capture.stop(timeout / 2 if bounded else None)
+        left = timeout - (loop.time() - began) if bounded else timeout
+        await self.pipeline.close(max(left, 0.0))
         if self._session is not None:
             await self._session.close()
+
+
+def _settle(future: asyncio.Future[None] | None) -> None:
+    if future is not None and not future.done():
+        future.set_result(None)
+
+
+def _chain(source: asyncio.Future[None], target: asyncio.Future[None] | None) -> None:
+    """`target` is done when `source` is (whatever its outcome: discovery gave up, or ran)."""
+
+    def done(source: asyncio.Future[None]) -> None:
+        if not source.cancelled():
+            source.exception()  # retrieved: a discovery that failed has logged why
+        _settle(target)
+
+    source.add_done_callback(done)

@@ -8,6 +8,7 @@ recorded, as an unparsed call with the reason, so the trajectory shows that some
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -152,12 +153,26 @@ class CaptureStage:
         await self._queue.join()
         await self._finish_closed()
 
-    async def stop(self) -> None:
-        """Parse everything already queued, then close every open trajectory."""
-        await self._queue.join()
+    async def stop(self, parse_within: float | None = None) -> None:
+        """Parse everything already queued (within `parse_within` seconds, if given: what is
+        left then counts in its trajectory as a dropped call, `shutdown`), then close every
+        open trajectory."""
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self._queue.join(), parse_within)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        left = 0
+        while not self._queue.empty():
+            exchange = self._queue.get_nowait()
+            if exchange.dropped is None:
+                left += 1
+                exchange = dropped_mark(exchange, "shutdown")
+            self.process(exchange)
+        if left:
+            self._metrics.capture_dropped.labels("shutdown").inc(left)
+            log.error("%d exchanges not parsed within %.1f s of stopping: counted as dropped",
+                      left, parse_within)  # fmt: skip
         self._assembler.close_all("shutdown")
         self._metrics.open_trajectories.set(0)
 

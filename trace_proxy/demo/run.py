@@ -185,7 +185,13 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
         tokenizer=settings.tokenizer or [str(ensure_qwen_tokenizer())],
     )
     service = ProxyService(settings)
-    addresses = await service.start()
+    try:
+        addresses = await service.start()
+        await service.wait_ready()  # the demo shows the decoded text: wait for the tokenizer
+    except BaseException:
+        await service.stop()
+        await sim_runner.cleanup()
+        raise
     print(f"  simulated vLLM at {upstream}; trace-proxy at {addresses.proxy}", flush=True)
     client = AsyncOpenAI(base_url=addresses.proxy + "/v1", api_key="demo-key-never-recorded")
     turns = 0

@@ -6,17 +6,24 @@ export process of their own (`process.py`), so export work never competes with f
 the interpreter. A record is dropped only when the memory queue is full while the spool cannot
 take more (counted in `trace_proxy_spool_dropped`), or when the spool's disk budget deletes it
 before a backend had it (counted per backend in `trace_proxy_export_dropped`).
+
+Neither the spool nor the exporters are waited for at start: records queue in memory while the
+spool's lock is awaited (a leftover of a killed proxy may still hold it), and wait in the spool
+while the exporters start. `spool_check` says which, for /ready. At close, how many records each
+backend still has in the spool is logged (and kept in `backlog`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from trace_proxy.exporters.spool import SpoolFull, SpoolWriter
+from trace_proxy.exporters.spool import SpoolBusy, SpoolFull, SpoolWriter, acquire, backlog
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.record import Record, dumps
 
@@ -37,6 +44,8 @@ class Exports(Protocol):
 
     async def close(self, timeout: float) -> None: ...
 
+    def hurry(self) -> None: ...
+
 
 class ExportPipeline:
     def __init__(
@@ -48,7 +57,10 @@ class ExportPipeline:
         queue_size: int = 10_000,
         batch_size: int = 256,
         retry_backoff: float = 0.5,
+        lock_wait: float = 0.0,
     ) -> None:
+        """`spool` may still have to take its lock (`SpoolWriter(locked=False)`): the writer
+        waits for it up to `lock_wait` seconds when a leftover holds it."""
         self.exports = exports
         self.spool = spool
         self._metrics = metrics
@@ -58,7 +70,15 @@ class ExportPipeline:
         self._batch_size = batch_size
         self._retry_backoff = retry_backoff
         self._dropping = False  # the latest record submitted was dropped
+        self._lock_wait = lock_wait
+        self._opened: asyncio.Future[None] | None = None  # made in start_writing()
+        self.spool_check = "ok" if spool.opened else "not opened yet"
+        self.backlog: dict[str, int] | None = None  # per backend, once closed
+        self.on_change: Callable[[], None] | None = None
+        self.on_failure: Callable[[BaseException], None] | None = None  # the spool is not ours
         metrics.spool_bytes.set_function(lambda: spool.used_bytes)
+        for name in self.backends:
+            metrics.export_queue.labels(name).set_function(functools.partial(self._behind, name))
 
     @property
     def backends(self) -> list[str]:
@@ -69,9 +89,18 @@ class ExportPipeline:
         return self.spool.directory
 
     async def start(self) -> None:
+        self.start_writing()
         await self.exports.start()
-        self.exports.notify(self.spool.next_seq)  # what an earlier run left is exported first
-        self._task = asyncio.get_running_loop().create_task(self._write())
+
+    def start_writing(self) -> None:
+        """Take records from now on; they are spooled once the spool is ours."""
+        loop = asyncio.get_running_loop()
+        self._opened = loop.create_future()
+        self._task = loop.create_task(self._write())
+
+    def hurry(self) -> None:
+        """Shutdown has begun: the exporters may use more CPU to drain the spool in time."""
+        self.exports.hurry()
 
     def submit(self, record: Record) -> None:
         """Never blocks: when memory is full too, the record is dropped and counted."""
@@ -88,26 +117,73 @@ class ExportPipeline:
 
     async def flush(self) -> None:
         """Wait until everything submitted so far is exported by every backend, or counted."""
+        assert self._opened is not None, "start() first"
+        await asyncio.shield(self._opened)  # raises when the spool could not be had
         await self._queue.join()
         await self.exports.flush(self.spool.next_seq)
 
     async def close(self, timeout: float = 30.0) -> None:
-        """Spool what is queued, give the backends `timeout` to catch up, then stop. Records a
-        backend has not exported by then stay in the spool and go out on the next start."""
+        """Spool what is queued (given at least a second), give the backends what is left of
+        `timeout` to catch up, then stop. Records a backend has not exported by then stay in
+        the spool and go out on the next start; how many is logged."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         try:
-            await asyncio.wait_for(self._queue.join(), timeout)
-        except TimeoutError:
+            await asyncio.wait_for(self._queue.join(), max(timeout, 1.0))
+        except asyncio.TimeoutError:
             left = self._queue.qsize()
             self._metrics.spool_dropped.labels("spool_error").inc(left)
             log.error("the spool could not take %d records before shutdown: dropped", left)
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        await asyncio.get_running_loop().run_in_executor(self._thread, self.spool.close)
+        opened = self.spool.opened
+        await loop.run_in_executor(self._thread, self.spool.close)
         self._thread.shutdown(wait=True)
-        await self.exports.close(timeout)
+        await self.exports.close(max(deadline - loop.time(), 0.0))
+        if opened:
+            self.backlog = backlog(self.spool_dir, self.backends, self.spool.next_seq)
+            counts = ", ".join(f"{name} {count}" for name, count in self.backlog.items())
+            if any(self.backlog.values()):
+                log.warning("records each backend still has in the spool (exported on the next "
+                            "start): %s", counts)  # fmt: skip
+            else:
+                log.info("records each backend still has in the spool: %s", counts)
+
+    def _behind(self, backend: str) -> int:
+        if not self.spool.opened:
+            return 0
+        return backlog(self.spool_dir, [backend], self.spool.next_seq)[backend]
+
+    def _set_spool(self, check: str) -> None:
+        if check != self.spool_check:
+            self.spool_check = check
+            if self.on_change is not None:
+                self.on_change()
+
+    async def _open(self) -> bool:
+        """Take the spool's lock (waiting for a leftover), then find where it ends."""
+        assert self._opened is not None
+        if not self.spool.opened:
+            self._set_spool("waiting for its lock")
+            try:
+                await acquire(self.spool.lock, self._lock_wait, self._set_spool)
+                self.spool.open()
+            except (SpoolBusy, OSError) as exc:
+                self._set_spool(f"failed: {exc}")
+                self._opened.set_exception(exc)
+                self._opened.exception()  # retrieved: `on_failure` is told
+                if self.on_failure is not None:
+                    self.on_failure(exc)
+                return False
+        self._set_spool("ok")
+        self.exports.notify(self.spool.next_seq)  # what an earlier run left is exported first
+        self._opened.set_result(None)
+        return True
 
     async def _write(self) -> None:
+        if not await self._open():
+            return  # the memory queue fills, then drops and counts; the proxy ends on it
         loop = asyncio.get_running_loop()
         while True:
             batch = [await self._queue.get()]
@@ -127,7 +203,7 @@ class ExportPipeline:
         delay = self._retry_backoff
         while True:
             try:
-                return await loop.run_in_executor(
+                end: int = await loop.run_in_executor(
                     self._thread, _encode_and_append, self.spool, batch
                 )
             except SpoolFull as exc:
@@ -135,6 +211,7 @@ class ExportPipeline:
                 log.error("%d records dropped: %s", len(batch), exc)
                 return None
             except OSError as exc:
+                self._set_spool(f"cannot be written: {exc}")
                 if self._queue.full():
                     self._metrics.spool_dropped.labels("spool_error").inc(len(batch))
                     log.error("the spool cannot be written and memory is full: %d records "
@@ -143,6 +220,9 @@ class ExportPipeline:
                 log.warning("the spool cannot be written (again in %.1f s): %s", delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
+            else:
+                self._set_spool("ok")
+                return end
 
 
 def _encode_and_append(spool: SpoolWriter, batch: list[Record]) -> int:

@@ -2,25 +2,37 @@
 
 Backend SDKs (MLflow, Weave, trackio, OpenTelemetry) and token decoding are CPU work in Python;
 in the proxy's process they would hold the interpreter lock against forwarding. Here they run
-in a child process (under SCHED_IDLE, so that on a busy machine exporting lags rather than
-forwarding) that reads the spool on its own; the proxy only tells it, over a socket
+in a child process that reads the spool on its own; the proxy only tells it, over a socket
 pair, how far the spool goes, and asks it to flush and stop. The child sends back its metrics
 (the text format, relayed on the proxy's /metrics) and answers flushes. If it dies, the proxy
 starts another, which resumes from the backends' cursors: nothing spooled is lost.
 
-Messages are JSON lines: to the child `data` (the spool's end), `flush`, `stop`; from it
-`ready` or `error` (at start), `discovered` (token2text found the served tokenizers),
-`metrics`, `flushed`, `stopped`.
+Priority: the threads that do the work (SDK imports, tokenizer loading, decoding, exporting)
+run under SCHED_IDLE (`--export-priority`), so that on a busy machine exporting lags rather
+than forwarding; its event loop keeps the proxy's priority. Once shutdown begins (`hurry`), the
+lanes move to threads at the proxy's priority, so the spool drains within the grace on busy
+cores too. Raising a thread's priority back needs privileges; starting a new thread at the
+process's own priority does not.
+
+Start-up (importing SDKs, loading tokenizers: seconds, minutes on busy cores) is not waited
+for: records wait in the spool, and /ready says the export process is starting. An export
+process asked to stop before it is ready is sent SIGTERM: it holds nothing.
+
+Messages are JSON lines: to the child `data` (the spool's end), `flush`, `hurry`, `stop`; from
+it `starting` (what it waits for), `ready` or `error` (at start), `discovered` (token2text found
+the served tokenizers), `metrics`, `flushed`, `stopped`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
-import socket
 import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +40,21 @@ import aiohttp
 import orjson
 from prometheus_client import generate_latest
 
-from trace_proxy.child import Helper, receive_payload, run_child
+from trace_proxy.child import (
+    PER_THREAD_PRIORITY,
+    Helper,
+    Started,
+    lower_thread,
+    name_thread,
+    proxy_pid,
+    receive_payload,
+    run_child,
+)
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.runner import ExportRunner
+from trace_proxy.exporters.spool import SpoolBusy
+from trace_proxy.lifeline import Lifeline, leftover_wait
 from trace_proxy.metrics import ExportMetrics, Metrics, RelayedMetrics
 from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
@@ -39,17 +62,27 @@ from trace_proxy.trajectories.toolparsers import get_parser
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT = 300.0  # loading tokenizers and SDKs on a cold machine
 METRICS_EVERY = 1.0
 RESTART_DELAY = 1.0
 
 
 async def _create_runner(
-    settings: Settings, spool_dir: Path, metrics: ExportMetrics, exporters: list[Exporter]
+    settings: Settings,
+    spool_dir: Path,
+    metrics: ExportMetrics,
+    exporters: list[Exporter],
+    thread_initializer: Callable[[], None] | None = None,
 ) -> tuple[ExportRunner, Token2Text | None]:
     """The runner for these settings, with token2text when asked (TokenizerError if a
     configured tokenizer cannot be loaded)."""
-    runner = ExportRunner(spool_dir, exporters, metrics)
+    runner = ExportRunner(
+        spool_dir,
+        exporters,
+        metrics,
+        thread_initializer=thread_initializer,
+        lock_wait=leftover_wait(settings.shutdown_grace),
+        proxy=proxy_pid(),
+    )
     token2text = None
     if settings.token2text:
         tokenizers = await asyncio.to_thread(
@@ -72,8 +105,8 @@ class ExportProcess(Helper):
     from the backends' cursors."""
 
     name = "export process"
-    start_timeout = START_TIMEOUT
     restart_delay = RESTART_DELAY
+    terminate_while_starting = True
 
     def __init__(self, settings: Settings, spool_dir: Path, metrics: Metrics) -> None:
         super().__init__(__name__, (settings, spool_dir))
@@ -104,11 +137,29 @@ class ExportProcess(Helper):
         self._send({"op": "flush", "id": flush_id, "end": end})
         await future
 
+    def hurry(self) -> None:
+        self._send({"op": "hurry"})
+
     async def close(self, timeout: float) -> None:
-        await self._stop(orjson.dumps({"op": "stop", "timeout": timeout}) + b"\n", timeout + 30)
+        """Export what is spooled within `timeout`, then stop. A child still starting is
+        given that time to be ready first (else it is ended: what it would export stays in
+        the spool)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        with contextlib.suppress(asyncio.TimeoutError, RuntimeError, ConfigError, TokenizerError):
+            await asyncio.wait_for(self.wait_ready(), timeout)
+        left = max(deadline - loop.time(), 0.0)
+        await self._stop(orjson.dumps({"op": "stop", "timeout": left}) + b"\n", left + 30)
+        self._fail_flushes("the export process has stopped")
+
+    def _fail(self, error: BaseException) -> None:
+        super()._fail(error)
+        self._fail_flushes(f"the export process cannot start: {error}")
+
+    def _fail_flushes(self, why: str) -> None:
         for _, future in self._flushes.values():  # nobody is left to answer them
             if not future.done():
-                future.set_exception(RuntimeError("the export process has stopped"))
+                future.set_exception(RuntimeError(why))
         self._flushes.clear()
 
     def _started(self) -> None:
@@ -130,7 +181,8 @@ class ExportProcess(Helper):
             super()._on_message(op, message)
 
     def _send(self, message: dict[str, Any]) -> None:
-        if self._writer is not None and not self._writer.is_closing():
+        """To a child that is up: one that is starting is told everything in `_started`."""
+        if self.ready and self._writer is not None and not self._writer.is_closing():
             self._writer.write(orjson.dumps(message) + b"\n")
 
 
@@ -139,53 +191,76 @@ class ExportProcess(Helper):
 
 def main(fd: int) -> None:
     """Entry point of the export process: `fd` is its end of the socket pair."""
-    sock, (settings, spool_dir) = receive_payload(fd)
-    run_child(_serve(settings, spool_dir, sock), settings.export_priority, settings.log_level)
+    started = receive_payload(fd)
+    settings, _ = started.payload
+    run_child(
+        functools.partial(_serve, started),
+        started,
+        name="export process",
+        priority=settings.export_priority,
+        log_level=settings.log_level,
+        grace=settings.shutdown_grace,
+        whole_process=False,  # the threads that work lower themselves (`_work_threads`)
+    )
 
 
-async def _serve(settings: Settings, spool_dir: Path, sock: socket.socket) -> None:
+def _work_threads(priority: str) -> Callable[[], None] | None:
+    """What each working thread runs first: lower its own priority (Linux: per thread)."""
+    if priority == "normal" or not PER_THREAD_PRIORITY:
+        return None
+    return functools.partial(lower_thread, priority)
+
+
+async def _serve(started: Started, life: Lifeline) -> None:
     from trace_proxy.exporters import create_exporters
 
-    reader, writer = await asyncio.open_connection(sock=sock, limit=1 << 20)
+    settings, spool_dir = started.payload
+    loop = asyncio.get_running_loop()
+    life.attach(loop)
+    lower = _work_threads(settings.export_priority)
+    loop.set_default_executor(ThreadPoolExecutor(thread_name_prefix="export-work",
+                                                 initializer=lower))  # fmt: skip
+    reader, writer = await asyncio.open_connection(sock=started.sock, limit=1 << 20)
 
     def send(message: dict[str, Any]) -> None:
         if not writer.is_closing():
             writer.write(orjson.dumps(message) + b"\n")
 
     metrics = ExportMetrics()
-    try:
-        exporters = create_exporters(settings)
-        runner, token2text = await _create_runner(settings, spool_dir, metrics, exporters)
-    except (ConfigError, TokenizerError) as exc:
+    try:  # SDK imports and tokenizers load in the working threads, at their priority
+        exporters = await loop.run_in_executor(None, create_exporters, settings)
+        runner, token2text = await _create_runner(settings, spool_dir, metrics, exporters, lower)
+        await runner.start(lambda detail: send({"op": "starting", "detail": detail}))
+    except (ConfigError, TokenizerError, SpoolBusy) as exc:
         send({"op": "error", "kind": "tokenizer" if isinstance(exc, TokenizerError) else "config",
               "message": str(exc)})  # fmt: skip
         await writer.drain()
         writer.close()
         return
-    await runner.start()
+    life.holding()
     send({"op": "ready"})
-    loop = asyncio.get_running_loop()
     tasks = {loop.create_task(_report(metrics, send))}
     session = aiohttp.ClientSession()
     if token2text is not None and token2text.tokenizers.empty:
         tasks.add(loop.create_task(_discover(settings, session, token2text, send)))
     else:
         send({"op": "discovered"})
-    timeout = settings.shutdown_grace
+    hurry = functools.partial(_hurry, runner, settings.export_priority)
+    reading = loop.create_task(_read(reader, runner, metrics, send, tasks, hurry))
+    ended = loop.create_task(life.ended())
     try:
-        while line := await reader.readline():
-            message = orjson.loads(line)
-            op = message["op"]
-            if op == "data":
-                runner.notify(message["end"])
-            elif op == "flush":
-                tasks.add(loop.create_task(_flush(runner, metrics, message, send)))
-            elif op == "stop":
-                timeout = float(message["timeout"])
-                break
+        await asyncio.wait({reading, ended}, return_when=asyncio.FIRST_COMPLETED)
+        if reading.done():
+            asked = reading.result()
+            timeout = life.parent_gone() if asked is None else asked
+        else:  # SIGTERM, or the parent is gone while we were busy
+            reading.cancel()
+            timeout = ended.result()
     finally:  # asked to stop, or the proxy is gone: export what we can, then leave
+        ended.cancel()
         for task in tasks:
             task.cancel()
+        _hurry(runner, settings.export_priority)
         await runner.close(timeout)
         await session.close()
         send({"op": "metrics", "text": generate_latest(metrics.registry).decode()})
@@ -193,6 +268,44 @@ async def _serve(settings: Settings, spool_dir: Path, sock: socket.socket) -> No
         with contextlib.suppress(ConnectionError):
             await writer.drain()
         writer.close()
+
+
+async def _read(
+    reader: asyncio.StreamReader,
+    runner: ExportRunner,
+    metrics: ExportMetrics,
+    send: Callable[[dict[str, Any]], None],
+    tasks: set[asyncio.Task[None]],
+    hurry: Callable[[], None],
+) -> float | None:
+    """The proxy's messages, until `stop` (its timeout) or the end of the socket (None)."""
+    loop = asyncio.get_running_loop()
+    while line := await reader.readline():
+        message = orjson.loads(line)
+        op = message["op"]
+        if op == "data":
+            runner.notify(message["end"])
+        elif op == "flush":
+            tasks.add(loop.create_task(_flush(runner, metrics, message, send)))
+        elif op == "hurry":
+            hurry()
+        elif op == "stop":
+            return float(message["timeout"])
+    return None
+
+
+def _hurry(runner: ExportRunner, priority: str) -> None:
+    """Shutdown has begun: export at the proxy's priority from now on (once)."""
+    if runner.hurried or priority == "normal":
+        return
+    if not PER_THREAD_PRIORITY:  # pragma: no cover - other platforms
+        log.info("the export process cannot raise its priority here: it drains at %s", priority)
+        return
+    runner.hurry(name_thread)
+    asyncio.get_running_loop().set_default_executor(
+        ThreadPoolExecutor(thread_name_prefix="export-work", initializer=name_thread)
+    )
+    log.info("the export process drains the spool at the proxy's priority")
 
 
 async def _flush(

@@ -17,6 +17,11 @@ AttributeError) is dropped and counted (`rejected`), after its batch was retried
 record so the others still go out. Before a batch is exported its range is written to the
 cursor as pending; after a crash, a backend that can tell (`exported_ids`) skips the records of
 that range it already has, so a replay does not duplicate them.
+
+One runner exports a spool directory at a time: `start` takes its export lock, waiting a bounded
+time for a leftover (the export process of a proxy that was killed, finishing), and only then
+reads the cursors. Its threads may run at a lower CPU priority than the process
+(`thread_initializer`); `hurry` moves the lanes to threads at the process's own, for shutdown.
 """
 
 from __future__ import annotations
@@ -33,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from trace_proxy.exporters.base import Exporter, ExportRejected, Processor
-from trace_proxy.exporters.spool import Cursor, CursorState, SpoolReader, release
+from trace_proxy.exporters.spool import (
+    Cursor,
+    CursorState,
+    SpoolLock,
+    SpoolReader,
+    acquire,
+    release,
+)
 from trace_proxy.metrics import ExportMetrics
 from trace_proxy.trajectories.record import (
     Record,
@@ -53,7 +65,12 @@ Numbered = list[tuple[int, Record | SpooledTrajectory]]
 class _Lane:
     """One backend: its thread, reader, cursor and position."""
 
-    def __init__(self, exporter: Exporter, directory: Path) -> None:
+    def __init__(
+        self,
+        exporter: Exporter,
+        directory: Path,
+        initializer: Callable[[], None] | None = None,
+    ) -> None:
         self.exporter = exporter
         self.name = exporter.name
         self.spooled_lines = bool(getattr(exporter, "writes_spooled_lines", False))
@@ -62,15 +79,25 @@ class _Lane:
             if self.spooled_lines
             else exporter.export
         )
-        self.thread = ThreadPoolExecutor(1, thread_name_prefix=f"export-{exporter.name}")
+        self.thread = self.new_thread(initializer)
         self.reader = SpoolReader(directory)
         self.cursor = Cursor(directory, exporter.name)
-        state = self.cursor.load()
-        self.next = state.next
-        self.replay_until = state.pending  # a crash may have left these exported already
+        self.next = 0
+        self.replay_until: int | None = None  # a crash may have left these exported already
         self.wake = asyncio.Event()
         self.task: asyncio.Task[None] | None = None
         self.released_at: int | None = None  # the segment the last release() was made from
+
+    def new_thread(self, initializer: Callable[[], None] | None) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(
+            1, thread_name_prefix=f"export-{self.name}", initializer=initializer
+        )
+
+    def load(self) -> None:
+        """Where the backend is (read once the export lock is held)."""
+        state = self.cursor.load()
+        self.next = state.next
+        self.replay_until = state.pending
 
 
 class _Processed:
@@ -154,10 +181,21 @@ class ExportRunner:
         backoff: float = 0.5,
         max_backoff: float = 30.0,
         linger: float = LINGER,
+        thread_initializer: Callable[[], None] | None = None,
+        lock_wait: float = 0.0,
+        proxy: int | None = None,
     ) -> None:
+        """`lock_wait`: how long `start` waits for a leftover holding the export lock;
+        `proxy`: the pid of the proxy this runner belongs to (a lock held for another, running
+        proxy is an error at once)."""
         self.directory = Path(directory)
         self._metrics = metrics
-        self._lanes = [_Lane(e, self.directory) for e in exporters]
+        self._lanes = [_Lane(e, self.directory, thread_initializer) for e in exporters]
+        self._lowered = thread_initializer is not None
+        self.lock = SpoolLock(self.directory, "export", proxy)
+        self._lock_wait = lock_wait
+        self.started = False
+        self.hurried = False
         self._batch_size = batch_size
         self._processed = _Processed(
             list(processors or []), metrics, size=4 * batch_size * max(1, len(self._lanes))
@@ -178,17 +216,33 @@ class ExportRunner:
     def add_processor(self, processor: Processor) -> None:
         self._processed.processors.append(processor)
 
-    async def start(self) -> None:
+    async def start(self, on_wait: Callable[[str], None] | None = None) -> None:
+        """Take the export lock (SpoolBusy when another proxy holds it), then export from
+        every backend's cursor on."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        await acquire(self.lock, self._lock_wait, on_wait)
         loop = asyncio.get_running_loop()
         for lane in self._lanes:
+            lane.load()
             self._metrics.backend_up.labels(lane.name).set(1)
             lane.task = loop.create_task(self._run(lane))
+        self.started = True
+
+    def hurry(self, initializer: Callable[[], None] | None = None) -> None:
+        """From the next export on, each lane runs on a thread at the process's own priority
+        (shutdown: the spool should drain within the grace, even on busy cores); the new
+        threads run `initializer` first."""
+        if self.hurried or not self._lowered:
+            return
+        self.hurried = True
+        for lane in self._lanes:
+            old, lane.thread = lane.thread, lane.new_thread(initializer)
+            old.shutdown(wait=False)  # its export under way finishes there
 
     def notify(self, end: int) -> None:
         """New records were spooled up to (not including) `end`."""
         self._end = max(self._end, end)
         for lane in self._lanes:
-            self._metrics.export_queue.labels(lane.name).set(max(0, self._end - lane.next))
             lane.wake.set()
 
     async def flush(self, end: int | None = None) -> None:
@@ -207,28 +261,33 @@ class ExportRunner:
 
     async def close(self, timeout: float) -> None:
         """Export what is spooled within `timeout`; what is left stays in the spool for the next
-        start. Then close every backend."""
-        try:
-            await asyncio.wait_for(self.flush(), timeout)
-        except TimeoutError:
-            behind = {ln.name: self._end - ln.next for ln in self._lanes if ln.next < self._end}
-            log.warning("records left in the spool for the next start: %s", behind)
-        self._closing.set()
+        start. Then close every backend (each within what is left of `timeout`, or a second)."""
         loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.started:
+            try:
+                await asyncio.wait_for(self.flush(), timeout)
+            except asyncio.TimeoutError:
+                behind = {ln.name: self._end - ln.next for ln in self._lanes
+                          if ln.next < self._end}  # fmt: skip
+                log.warning("records left in the spool for the next start: %s", behind)
+        self._closing.set()
         for lane in self._lanes:
             if lane.task is not None:
                 lane.task.cancel()
-                await asyncio.wait([lane.task], timeout=max(timeout, 1.0))
+                await asyncio.wait([lane.task], timeout=max(deadline - loop.time(), 1.0))
             try:  # waits for an export still running in the thread, up to a limit
                 await asyncio.wait_for(
-                    loop.run_in_executor(lane.thread, lane.exporter.close), max(timeout, 1.0)
+                    loop.run_in_executor(lane.thread, lane.exporter.close),
+                    max(deadline - loop.time(), 1.0),
                 )
-            except TimeoutError:
+            except asyncio.TimeoutError:
                 log.error("backend %s did not close in time", lane.name)
             except Exception:
                 log.exception("closing backend %s failed", lane.name)
             lane.reader.close()
             lane.thread.shutdown(wait=False)
+        self.lock.release()
 
     # --- one lane ---
 
@@ -277,7 +336,6 @@ class ExportRunner:
         loop = asyncio.get_running_loop()
         lane.next = end
         await loop.run_in_executor(lane.thread, self._commit, lane)
-        self._metrics.export_queue.labels(lane.name).set(max(0, self._end - lane.next))
         async with self._progress:
             self._progress.notify_all()
 

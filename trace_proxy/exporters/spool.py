@@ -16,17 +16,24 @@ one `write` each batch and fsync'd at most every `fsync_interval` seconds (a pro
 loses nothing written; a power loss loses at most that interval). A torn tail left by a crash
 is cut off when the spool is reopened; a line whose checksum does not match is skipped and
 counted (`spool_corrupt`).
+
+Two locks (`writer.lock`, `export.lock`, each naming its holder) keep one writer and one
+exporter per directory. A proxy killed without stopping leaves helper processes that finish
+what they hold before they exit; a new proxy on the same directory waits for them, a bounded
+time (`acquire`), instead of writing or exporting beside them. A spool held by another proxy
+that is still running is an error at once.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import itertools
 import os
 import time
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -34,10 +41,11 @@ import orjson
 
 SEGMENT_SUFFIX = ".seg"
 CURSOR_SUFFIX = ".cursor"
+LOCK_POLL = 0.1  # seconds between attempts while a leftover holds a lock
 
 
 class SpoolBusy(OSError):
-    """Another process is writing this spool directory."""
+    """Another process is writing or exporting this spool directory."""
 
 
 class SpoolFull(Exception):
@@ -135,11 +143,149 @@ def release(directory: Path, backends: Iterable[str]) -> int:
     return freed
 
 
+# --- locks -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a lock, as its file says: the process, and the proxy it belongs to (its
+    helpers write the pid of the proxy's main process). None where the file does not say."""
+
+    pid: int | None
+    proxy: int | None
+
+    def describe(self) -> str:
+        return f"process {self.pid}" if self.pid is not None else "another process"
+
+
+class SpoolLock:
+    """One role's exclusive lock on a spool directory (`writer`: the process that appends,
+    `export`: the one that exports), held until released or the process ends (flock: the
+    kernel releases it however the process ends). Its file names the holder."""
+
+    def __init__(self, directory: Path, role: str, proxy: int | None = None) -> None:
+        self.directory = Path(directory)
+        self.role = role
+        self.path = self.directory / f"{role}.lock"
+        self.proxy = os.getpid() if proxy is None else proxy
+        self._fd = -1
+
+    @property
+    def held(self) -> bool:
+        return self._fd >= 0
+
+    def try_acquire(self) -> Holder | None:
+        """Take the lock if it is free (None); else who holds it."""
+        if self._fd >= 0:
+            return None
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return holder(self.path)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, orjson.dumps({"pid": os.getpid(), "proxy": self.proxy}), 0)
+        self._fd = fd
+        return None
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # releases the lock
+            self._fd = -1
+
+
+def holder(path: Path) -> Holder:
+    """What a lock file says of its holder (nothing, if an older version wrote it)."""
+    try:
+        data = orjson.loads(path.read_bytes())
+        return Holder(int(data["pid"]), int(data["proxy"]))
+    except (OSError, orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+        return Holder(None, None)
+
+
+def running_proxy(found: Holder, ours: int) -> int | None:
+    """The pid of the other proxy that holds a lock, if that proxy is still running: its
+    helpers then hold the spool for good, not while they finish."""
+    if found.proxy is None or found.proxy == ours or not _alive(found.proxy):
+        return None
+    return found.proxy
+
+
+def check_not_in_use(directory: Path, ours: int) -> None:
+    """SpoolBusy when another running proxy holds this spool; cheap, taking no lock. A
+    leftover of a proxy that is gone is not an error here: it is waited for (`acquire`)."""
+    if not Path(directory).is_dir():
+        return
+    for role in ("writer", "export"):
+        lock = SpoolLock(directory, role, ours)
+        found = lock.try_acquire()
+        lock.release()
+        if found is not None and (other := running_proxy(found, ours)) is not None:
+            raise SpoolBusy(_in_use(directory, other))
+
+
+async def acquire(
+    lock: SpoolLock, wait: float, on_wait: Callable[[str], None] | None = None
+) -> None:
+    """Take `lock`. Held for another running proxy: SpoolBusy at once. Held by a leftover (the
+    helpers of a proxy that is gone, or an earlier helper of this one, finishing what they
+    hold): wait for it, up to `wait` seconds, telling `on_wait` why, then SpoolBusy."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait
+    told = False
+    while (found := lock.try_acquire()) is not None:
+        other = running_proxy(found, lock.proxy)
+        if other is not None:
+            raise SpoolBusy(_in_use(lock.directory, other))
+        if loop.time() >= deadline:
+            raise SpoolBusy(
+                f"{lock.directory} is still held by {found.describe()} after {wait:.0f} s "
+                f"(left by an earlier trace-proxy; end it, or give this proxy its own "
+                f"--spool-dir)"
+            )
+        if not told and on_wait is not None:
+            on_wait(f"waiting for {found.describe()}, left by an earlier trace-proxy, to "
+                    f"finish with the spool (at most {wait:.0f} s)")  # fmt: skip
+            told = True
+        await asyncio.sleep(LOCK_POLL)  # flock has no asynchronous wait: polled
+
+
+def _in_use(directory: Path, proxy: int | None) -> str:
+    which = f" (process {proxy})" if proxy is not None else ""
+    return (f"{directory} is the spool of another running trace-proxy{which}; "
+            "give each proxy its own --output or --spool-dir")  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    try:  # a killed process its parent has not reaped yet is gone all the same
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
+def backlog(directory: Path, backends: Iterable[str], end: int) -> dict[str, int]:
+    """Records before `end` each backend has not exported yet, by its cursor."""
+    states = cursors(directory)
+    return {name: max(0, end - states.get(name, CursorState()).next) for name in backends}
+
+
 # --- writing ---------------------------------------------------------------------------------
 
 
 class SpoolWriter:
-    """Appends framed records; the only writer of a spool directory (one proxy process)."""
+    """Appends framed records; the only writer of a spool directory (one proxy process).
+
+    With `locked` (the default) it takes the directory's writer lock at once, or raises
+    SpoolBusy; else the owner takes `lock` itself (`acquire`, waiting for a leftover) and
+    then calls `open`."""
 
     def __init__(
         self,
@@ -148,22 +294,34 @@ class SpoolWriter:
         max_bytes: int,
         segment_bytes: int | None = None,
         fsync_interval: float = 1.0,
+        locked: bool = True,
+        proxy: int | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._lock = os.open(self.directory / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._lock)
-            raise SpoolBusy(f"{self.directory} is the spool of another running trace-proxy "
-                            "(give each proxy its own --spool-dir)") from None  # fmt: skip
+        self.lock = SpoolLock(self.directory, "writer", proxy)
         self.max_bytes = max_bytes
         self.segment_bytes = segment_bytes or max(1 << 16, min(64 << 20, max_bytes // 16))
         self.fsync_interval = fsync_interval
         self._fd: int | None = None
         self._size = 0  # bytes in the active segment
         self._synced = time.monotonic()
+        self.next_seq = 0
+        self._used = 0
+        if locked:
+            found = self.lock.try_acquire()
+            if found is not None:
+                other = running_proxy(found, self.lock.proxy) or found.proxy or found.pid
+                raise SpoolBusy(_in_use(self.directory, other))
+            self.open()
+
+    @property
+    def opened(self) -> bool:
+        return self.lock.held
+
+    def open(self) -> None:
+        """With the lock held: cut a torn tail, find where numbering resumes."""
+        assert self.lock.held, "the writer lock is not held"
         self.next_seq = self._recover()
         self._used = self.used_bytes  # an upper bound, kept by _make_room
 
@@ -230,9 +388,7 @@ class SpoolWriter:
             self.sync()
             os.close(self._fd)
             self._fd = None
-        if self._lock >= 0:
-            os.close(self._lock)  # releases the lock
-            self._lock = -1
+        self.lock.release()
 
     def _rotate(self, first_seq: int) -> None:
         if self._fd is not None:

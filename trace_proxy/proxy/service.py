@@ -1,8 +1,13 @@
 """One running proxy, with an explicit lifecycle: start, serve, stop (drain, then flush).
 
 The listener is aiohttp's low-level `web.Server` (no router, no middlewares: every request goes
-to the forwarder). Stopping follows the order that keeps every record: stop accepting, let
-in-flight requests finish within the grace period, parse what was captured, close every open
+to the forwarder). Starting listens at once: the helper processes are spawned first (what is
+forwarded meanwhile waits for them in their socket, or in the spool) and start in the
+background; `/ready` on the admin port says what is still starting, and `failure` is set when
+something cannot start as configured (a tokenizer, a backend, a spool another proxy holds).
+What can be told in milliseconds is checked before listening. Stopping follows the order that
+keeps every record: stop accepting, let in-flight requests finish within the grace period
+(the exporters drain at full priority meanwhile), parse what was captured, close every open
 trajectory, export or count everything, then close the upstream connections.
 """
 
@@ -12,6 +17,7 @@ import asyncio
 import hmac
 import ipaddress
 import logging
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -24,14 +30,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
 from trace_proxy.capture.process import CaptureProcess
 from trace_proxy.capture.recorder import Recorder
-from trace_proxy.config import Settings
+from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
+from trace_proxy.exporters.spool import SpoolBusy, check_not_in_use
 from trace_proxy.metrics import Metrics, exposition
 from trace_proxy.proxy.forward import Forwarder
 from trace_proxy.proxy.limits import ClientLimits, LimitedServer, Rejections
 from trace_proxy.proxy.upstream_client import UpstreamClient
 from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
+from trace_proxy.trajectories.token2text import check_configured
 
 log = logging.getLogger(__name__)
 # Thousands of rollout workers may connect at once; the kernel caps this at somaxconn.
@@ -66,6 +74,10 @@ class ProxyService:
         self._runner: web.ServerRunner | None = None
         self._admin_runner: web.AppRunner | None = None
         self.addresses: Addresses | None = None
+        self._listening = self._stopping = False
+        self._changed = asyncio.Event()
+        self.recorder.on_change = self._changed.set
+        self.backlog: dict[str, int] | None = None  # per backend, once stopped
 
     @property
     def inline(self) -> Recorder:
@@ -87,15 +99,65 @@ class ProxyService:
         budget = self.settings.capture_queue_bytes
         return budget // 2 if isinstance(self.recorder, CaptureProcess) else budget
 
+    @property
+    def failure(self) -> asyncio.Future[BaseException] | None:
+        """Done, with the error, when something cannot start as configured (the command
+        line ends on it); made by `start`."""
+        return self.recorder.failure
+
     async def flush(self) -> None:
         """Wait until every exchange forwarded so far is parsed, and every trajectory it
         closed is exported by every backend (or counted)."""
         await self.recorder.flush()
 
-    async def start(self) -> Addresses:
-        """Raises TokenizerError (a configured tokenizer cannot be loaded), ConfigError (a
-        backend cannot start, or the spool directory cannot be used) or OSError (listen)."""
+    def readiness(self) -> dict[str, str]:
+        """Each check of /ready: "ok", or what it is doing (starting, waiting, failed)."""
+        listening = "ok" if self._listening else "no"
+        checks = {"listening": "stopping" if self._stopping else listening}
+        if isinstance(self.recorder, CaptureProcess):
+            checks.update(self.recorder.checks())
+        else:
+            checks["capture"] = "ok"
+            checks.update(self.recorder.checks())
+        return checks
+
+    async def wait_ready(self) -> None:
+        """Until every check passes; raises the error when something cannot start."""
+        failure = self.failure
+        assert failure is not None, "start() first"
+        while True:
+            if failure.done():
+                raise failure.result()
+            if all(value == "ok" for value in self.readiness().values()):
+                return
+            self._changed.clear()
+            changed = asyncio.ensure_future(self._changed.wait())
+            waits: list[asyncio.Future[Any]] = [changed, failure]
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+            changed.cancel()
+
+    def _check(self) -> None:
+        """What can be told before listening, in milliseconds. Raises TokenizerError (a
+        --tokenizer path that does not exist, transformers missing) or ConfigError (the
+        spool directory cannot be made, or another running proxy holds it)."""
         settings = self.settings
+        if settings.token2text:
+            check_configured(settings.tokenizer)
+        spool_dir = settings.spool_dir or settings.output / ".spool"
+        try:
+            spool_dir.mkdir(parents=True, exist_ok=True)
+            check_not_in_use(spool_dir, os.getpid())
+        except SpoolBusy as exc:
+            raise ConfigError(str(exc)) from None
+        except OSError as exc:
+            raise ConfigError(f"invalid value for --spool-dir: {exc}") from None
+
+    async def start(self) -> Addresses:
+        """Listen; the helper processes start in the background (`readiness`, `wait_ready`,
+        `failure`). Raises TokenizerError or ConfigError for what can be told at once (see
+        `_check`), OSError when a port cannot be listened on."""
+        settings = self.settings
+        self._check()
         self._client = UpstreamClient(settings.connect_timeout, settings.read_timeout)
         forwarder = Forwarder(
             self.pool,
@@ -141,12 +203,26 @@ class ProxyService:
                     admin_url,
                 )
         self.addresses = Addresses(proxy_url, admin_url)
+        self._listening = True
+        self._changed.set()
         return self.addresses
 
     async def stop(self) -> None:
+        """Stop accepting, drain in-flight requests, then record and export what is held;
+        `backlog` then says how many records each backend still has in the spool."""
+        self._stopping = True
+        self._changed.set()
+        if self.recorder.failure is not None:
+            self.recorder.hurry()  # the exporters drain at full priority from now on
         if self._runner is not None:
             await self._runner.cleanup()  # stops accepting, then waits for in-flight requests
-        await self.recorder.stop(self.settings.shutdown_grace)
+        if self.recorder.failure is not None:
+            await self.recorder.stop(self.settings.shutdown_grace)
+        self.backlog = (
+            self.recorder.backlog
+            if isinstance(self.recorder, CaptureProcess)
+            else self.recorder.pipeline.backlog
+        )
         if self._client is not None:
             await self._client.close()
         if self._admin_runner is not None:
@@ -165,6 +241,7 @@ class ProxyService:
         app = web.Application(middlewares=[_token_required(self.settings.admin_token)])
         app.router.add_get("/metrics", self._metrics_endpoint)
         app.router.add_get("/health", self._health_endpoint)
+        app.router.add_get("/ready", self._ready_endpoint)
         app.router.add_post("/rewards", self._rewards_endpoint)
         return app
 
@@ -187,7 +264,16 @@ class ProxyService:
         body = exposition(self.metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def _ready_endpoint(self, request: web.Request) -> web.Response:
+        """200 when every check passes, else 503; the same body names each check."""
+        checks = self.readiness()
+        waiting = [name for name, value in checks.items() if value != "ok"]
+        body = {"status": "not ready" if waiting else "ready", "checks": checks,
+                "not_ready": waiting}  # fmt: skip
+        return web.json_response(body, status=503 if waiting else 200)
+
     async def _health_endpoint(self, request: web.Request) -> web.Response:
+        """Alive: answered while the event loop runs, whatever is still starting."""
         status: dict[str, Any] = {
             "status": "ok",
             "upstreams": [{"url": u.base, "in_flight": u.in_flight} for u in self.pool.upstreams],

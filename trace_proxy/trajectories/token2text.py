@@ -13,6 +13,7 @@ the model directory, which is loaded when it exists on this machine.
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import threading
@@ -30,7 +31,7 @@ Decode = Callable[[Sequence[int]], str]
 
 
 class TokenizerError(RuntimeError):
-    """A tokenizer that cannot be loaded; raised once, at start-up."""
+    """A tokenizer that cannot be loaded; raised once, at start-up (the proxy ends on it)."""
 
 
 def load_tokenizer(source: str) -> Any:
@@ -96,6 +97,21 @@ class Tokenizers:
     def empty(self) -> bool:
         with self._lock:
             return self._default is None and not self._by_model
+
+
+def check_configured(sources: list[str]) -> None:
+    """What can be told without loading anything (milliseconds, before the proxy listens):
+    transformers is missing, or a `--tokenizer` path does not exist. Loading happens in the
+    export process, whose start-up is not waited for; what it finds is reported then."""
+    if importlib.util.find_spec("transformers") is None:
+        raise TokenizerError("token2text needs transformers: pip install 'trace-proxy[text]'")
+    for source in sources:
+        _, eq, path = source.partition("=")
+        if not eq or os.path.exists(source):
+            path = source
+        explicit = os.path.isabs(path) or path.startswith(("./", "../"))
+        if explicit and not os.path.exists(path):  # not a Hugging Face name either
+            raise TokenizerError(f"cannot load tokenizer {path!r}: no such directory")
 
 
 def load_configured(sources: list[str], skip_special_tokens: bool) -> Tokenizers:
