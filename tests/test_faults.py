@@ -351,8 +351,23 @@ async def test_a_backend_down_at_start_and_mid_run_gets_every_record_once_when_b
 
 
 def children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as handle:
-        return [int(child) for child in handle.read().split()]
+    """A process's children, whichever of its threads started them."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found += [int(child) for child in (task / "children").read_text().split()]
+    return found
+
+
+async def ready(session: aiohttp.ClientSession, admin: str) -> None:
+    """Until /ready says 200 (every helper process up), within the guard."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + GUARD
+    while True:
+        async with session.get(admin + "/ready") as response:
+            if response.status == 200:
+                return
+        assert loop.time() < end, "never ready"
+        await asyncio.sleep(0.1)  # readiness is a state to poll, not an event to await
 
 
 async def admin_metric(session: aiohttp.ClientSession, admin: str, name: str) -> float:
@@ -380,10 +395,11 @@ async def test_a_helper_killed_under_load_is_replaced_and_its_records_reconcile(
     async with scripted_upstream(chaos_upstream) as upstream:
         process, proxy, admin = await start_serve(upstream, tmp_path)
         try:
-            capture = children(process.pid)[0]
-            target = capture if victim == "capture" else children(capture)[0]
             connector = aiohttp.TCPConnector(limit=16)
             async with aiohttp.ClientSession(connector=connector) as session:
+                await ready(session, admin)
+                [capture] = children(process.pid)
+                target = capture if victim == "capture" else children(capture)[0]
 
                 async def call(tid: str) -> None:
                     assert await one_call(session, proxy, tid, "ok") == "200"
