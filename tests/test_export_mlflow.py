@@ -37,6 +37,7 @@ from mlflow.store.tracking.rest_store import RestStore  # noqa: E402
 from trace_proxy.client import post_reward  # noqa: E402
 from trace_proxy.config import Settings  # noqa: E402
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer  # noqa: E402
+from trace_proxy.exporters import mlflow as mlflow_exporter  # noqa: E402
 from trace_proxy.exporters.base import ExportRejected  # noqa: E402
 from trace_proxy.exporters.jsonl import JsonlExporter  # noqa: E402
 from trace_proxy.exporters.mlflow import MlflowExporter, create, trace_id_of  # noqa: E402
@@ -514,6 +515,37 @@ async def test_a_record_mlflow_refuses_for_good_is_dropped_and_the_others_go_out
     assert any(k.startswith("label.pass_1") for k in labelled)
     late_tags = mlflow.get_trace(trace_id_of(records[3].id)).info.tags
     assert [v for k, v in late_tags.items() if k.startswith("label.pass_1")] == ["false"]
+
+
+def test_experiments_and_runs_remembered_are_bounded(
+    tracking_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Requests can name any number of experiments: the exporter remembers the latest
+    REMEMBERED experiments and runs, ends a run it created when it forgets it, and finds the
+    same run again by name when a record names it once more."""
+    monkeypatch.setattr(mlflow_exporter, "REMEMBERED", 3)
+    exporter = MlflowExporter(tracking_uri, "bounded")
+    names = [f"run-{n}" for n in range(8)]
+    for again in range(2):
+        for number, name in enumerate(names):
+            record = trajectory(f"{again + 1}{number:031x}", 1, project=f"bounded-{number % 4}")
+            record.key.experiment = name
+            exporter.export([record])
+            assert len(exporter._experiments) <= 3 and len(exporter._runs) <= 3
+            assert len(exporter._created_runs) <= 3
+    exporter.close()
+    client = MlflowClient(tracking_uri)
+    for number, name in enumerate(names):
+        experiment = client.get_experiment_by_name(f"bounded-{number % 4}")
+        [run] = client.search_runs([experiment.experiment_id],
+                                   filter_string=f"attributes.run_name = '{name}'")  # fmt: skip
+        assert run.info.status == "FINISHED"
+        linked = mlflow.search_traces(
+            locations=[experiment.experiment_id], run_id=run.info.run_id, return_type="list"
+        )
+        assert sorted(t.info.trace_id for t in linked) == [
+            trace_id_of(f"{again}{number:031x}") for again in (1, 2)
+        ]
 
 
 def test_server_path_puts_the_tags_on_the_root_span(tracking_uri: str) -> None:

@@ -45,6 +45,7 @@ import logging
 import os
 import re
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -98,6 +99,9 @@ _NOT_FOUND = "RESOURCE_DOES_NOT_EXIST"
 REFUSED = frozenset({"INVALID_PARAMETER_VALUE", "BAD_REQUEST"})
 MAX_EXPERIMENT_NAME = 500  # MLflow refuses longer experiment names
 MAX_RUN_NAME = 250  # the run table's name column (PostgreSQL and MySQL refuse longer names)
+# Experiments and runs looked up, kept for the next records naming them: requests can name any
+# number. One forgotten is looked up again; a run created here is ended when forgotten.
+REMEMBERED = 4096
 
 
 def _ns(seconds: float) -> int:
@@ -531,9 +535,9 @@ class MlflowExporter:
         self.run = run  # a run id, or a run name; None: the record's experiment name
         self._client: MlflowClient | None = None
         self._tracing: TracingClient | None = None
-        self._experiments: dict[str, str] = {}
-        self._runs: dict[tuple[str, str], str] = {}
-        self._created_runs: list[str] = []
+        self._experiments: OrderedDict[str, str] = OrderedDict()  # by name, latest last
+        self._runs: OrderedDict[tuple[str, str], str] = OrderedDict()  # by (experiment, name)
+        self._created_runs: dict[str, None] = {}  # created here, not ended yet, in order
         scheme = urlsplit(tracking_uri).scheme.lower()
         self._remote = scheme in ("http", "https")
         # MLflow's file store (a path or file: URI) keeps spans as trace artifacts and cannot
@@ -586,11 +590,15 @@ class MlflowExporter:
         if self._client is None:
             return
         for run_id in self._created_runs:
-            try:
-                self._client.set_terminated(run_id)
-            except Exception:
-                log.exception("mlflow: could not end run %s", run_id)
+            self._end(run_id)
         self._created_runs.clear()
+
+    def _end(self, run_id: str) -> None:
+        assert self._client is not None
+        try:
+            self._client.set_terminated(run_id)
+        except Exception:
+            log.exception("mlflow: could not end run %s", run_id)
 
     # --- experiments and runs ---
 
@@ -599,6 +607,7 @@ class MlflowExporter:
         that name (see mlflow_names.py), the one named by its substitute."""
         cached = self._experiments.get(name)
         if cached is not None:
+            self._experiments.move_to_end(name)
             return cached
         experiment_id: str | None = None
         if len(name) <= MAX_EXPERIMENT_NAME and not (self._file_store and "'" in name):
@@ -615,6 +624,8 @@ class MlflowExporter:
             if experiment_id is None:
                 raise ExportRejected(f"mlflow: the store finds no experiment named {stored!r}")
         self._experiments[name] = experiment_id
+        if len(self._experiments) > REMEMBERED:
+            self._experiments.popitem(last=False)
         return experiment_id
 
     def _experiment_named(self, stored: str, project: str | None = None) -> str | None:
@@ -648,6 +659,7 @@ class MlflowExporter:
         cache_key = (experiment_id, name)
         cached = self._runs.get(cache_key)
         if cached is not None:
+            self._runs.move_to_end(cache_key)
             return cached
         client, _ = self._clients()
         run_id: str | None = None
@@ -680,8 +692,13 @@ class MlflowExporter:
                     tags={"mlflow.source.name": "trace-proxy", NAME_DIGEST_TAG: digest(name)},
                 )
                 run_id = str(created.info.run_id)
-                self._created_runs.append(run_id)
+                self._created_runs[run_id] = None
         self._runs[cache_key] = run_id
+        if len(self._runs) > REMEMBERED:
+            _, forgotten = self._runs.popitem(last=False)
+            if forgotten in self._created_runs:  # found again by name if needed, ended now
+                del self._created_runs[forgotten]
+                self._end(forgotten)
         return run_id
 
     # --- writing ---
