@@ -171,6 +171,26 @@ async def test_a_rejected_record_is_dropped_and_the_rest_of_its_batch_goes_out(
                   reason="rejected") == 1  # fmt: skip
 
 
+async def test_a_record_that_cannot_be_encoded_is_counted_and_the_writer_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A record JSON cannot carry (a bug: here a value of no JSON type) is dropped and counted
+    as `unencodable`; it used to end the spool's writer, and every record after it waited."""
+    good = Collecting()
+    pipeline, metrics = inline_pipeline(tmp_path, [good])
+    await pipeline.start()
+    broken = record(1)
+    broken.labels = {"x": object()}
+    for item in (record(0), broken, record(2)):
+        pipeline.submit(item)
+    await asyncio.wait_for(pipeline.flush(), 30)  # a writer that stopped never flushes
+    pipeline.submit(record(3))
+    await asyncio.wait_for(pipeline.flush(), 30)
+    await pipeline.close()
+    assert ids(good.records) == ["t0", "t2", "t3"]
+    assert metric(metrics, "trace_proxy_spool_dropped_total", reason="unencodable") == 1
+
+
 async def test_a_failing_processor_exports_records_as_they_are(tmp_path: Path) -> None:
     class Broken:
         name = "broken"

@@ -165,7 +165,8 @@ class Metrics:
         self.spool_dropped = Counter(
             "trace_proxy_spool_dropped",
             "Records that never reached the spool, by reason (queue_full: the memory queue in "
-            "front of the spool was full; spool_error: the disk refused them)",
+            "front of the spool was full; spool_error: the disk refused them; unencodable: "
+            "not writable as JSON)",
             ["reason"],
             registry=r,
         )

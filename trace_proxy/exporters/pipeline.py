@@ -4,8 +4,10 @@ A closed trajectory goes into a bounded memory queue; a writer thread appends it
 spool (`spool.py`); the exporters read the spool, in this process (`ExportRunner`) or in an
 export process of their own (`process.py`), so export work never competes with forwarding for
 the interpreter. A record is dropped only when the memory queue is full while the spool cannot
-take more (counted in `trace_proxy_spool_dropped`), or when the spool's disk budget deletes it
-before a backend had it (counted per backend in `trace_proxy_export_dropped`).
+take more (counted in `trace_proxy_spool_dropped`), when it cannot be written as JSON at all (a
+bug; counted there as `unencodable`, so it never stops the writer and the records after it), or
+when the spool's disk budget deletes it before a backend had it (counted per backend in
+`trace_proxy_export_dropped`).
 
 Neither the spool nor the exporters are waited for at start: records queue in memory while the
 spool's lock is awaited (a leftover of a killed proxy may still hold it), and wait in the spool
@@ -203,7 +205,7 @@ class ExportPipeline:
         delay = self._retry_backoff
         while True:
             try:
-                end: int = await loop.run_in_executor(
+                end, unencodable = await loop.run_in_executor(
                     self._thread, _encode_and_append, self.spool, batch
                 )
             except SpoolFull as exc:
@@ -222,8 +224,17 @@ class ExportPipeline:
                 delay = min(delay * 2, 30.0)
             else:
                 self._set_spool("ok")
+                if unencodable:
+                    self._metrics.spool_dropped.labels("unencodable").inc(unencodable)
                 return end
 
 
-def _encode_and_append(spool: SpoolWriter, batch: list[Record]) -> int:
-    return spool.append([dumps(record) for record in batch])
+def _encode_and_append(spool: SpoolWriter, batch: list[Record]) -> tuple[int, int]:
+    """Spool the batch; its end, and how many records could not be encoded (dropped)."""
+    lines = []
+    for record in batch:
+        try:
+            lines.append(dumps(record))
+        except (TypeError, ValueError):
+            log.exception("a %s record cannot be written as JSON: dropped", record.record)
+    return spool.append(lines), len(batch) - len(lines)
