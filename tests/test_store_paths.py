@@ -321,3 +321,45 @@ def test_a_directory_removed_while_the_store_runs_is_made_again(tmp_path: Path) 
     store.close()
     assert [r["id"] for _, r in iter_records(out)] == ["p/e/2"]
     assert name_file(out / "p" / "e") == "e"
+
+
+async def raw_post(proxy: str, head: bytes, body: bytes) -> bytes:
+    """A request written byte by byte (no client library would send non-UTF-8 header bytes);
+    the status line of the answer."""
+    host, port = proxy.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n" + head
+                 + b"Content-Type: application/json\r\nConnection: close\r\n"
+                 + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
+    await writer.drain()
+    answer = await reader.read()
+    writer.close()
+    return answer.split(b"\r\n", 1)[0]
+
+
+@pytest.mark.parametrize("mode", ["process", "inline"])
+async def test_header_bytes_that_are_not_utf8_are_recorded_and_recording_goes_on(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path, mode: str
+) -> None:
+    """A header value is bytes; those that are not UTF-8 reach Python as lone surrogates, which
+    no JSON encoder writes: such a request went unrecorded, uncounted (capture process), or
+    stopped the spool's writer and every record after it (inline). They are recorded with U+FFFD
+    in place of each such byte."""
+    _, upstream = fake_vllm
+    body = orjson.dumps({"model": "tiny-qwen", "prompt": "Hi", "max_tokens": 2})
+    async with running_proxy([upstream], tmp_path, capture_mode=mode) as (service, proxy):
+        for number, head in enumerate([
+            b"X-Rollout-Project: p\xff\xfe\r\nUser-Agent: caf\xe9\r\n",
+            b"X-Rollout-Experiment: \xc3(\r\n",
+            b"X-Rollout-Trajectory-Id: t\x80\r\n",
+            b"",
+        ]):  # fmt: skip
+            done = b"X-Rollout-Done: true\r\nX-Rollout-Sample-Index: %d\r\n" % number
+            assert await raw_post(proxy, head + done, body) == b"HTTP/1.1 200 OK"
+        await asyncio.wait_for(service.flush(), 60)  # a writer stopped never flushes
+    keys = sorted((t["key"]["sample_index"], t["key"]["project"], t["key"]["experiment"],
+                   t["key"]["trajectory_id"]) for t in trajectories(tmp_path))  # fmt: skip
+    assert [k[0] for k in keys] == [0, 1, 2, 3]
+    assert keys[0][1] == "p\ufffd\ufffd" and keys[1][2] == "\ufffd(" and keys[2][3] == "t\ufffd"
+    [first] = [t for t in trajectories(tmp_path) if t["key"]["sample_index"] == 0]
+    assert first["calls"][0]["request_headers"]["user-agent"] == "caf\ufffd"
