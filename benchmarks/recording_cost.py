@@ -74,7 +74,7 @@ class Run:
 
 def cpu_by_process(proc: Proc) -> tuple[float, float, float]:
     pids = proc.pids()  # forwarding, capture, export (parents before children; all are up
-    # once the proxy has printed its ready line)
+    # once /ready says so: `start_trace_proxy` waits for it)
     if len(pids) != 3:
         raise BenchError(f"{proc.name}: expected 3 processes, found {len(pids)}")
     first, second, third = (cpu_seconds(pid) for pid in pids)

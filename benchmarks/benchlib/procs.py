@@ -15,6 +15,8 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -240,7 +242,28 @@ def start_trace_proxy(
     store = workdir / ("store" if name == "trace-proxy" else f"store-{name}")
     proc = spawn(name, trace_proxy_argv(upstream, store, extra), workdir, source, cpus)
     match = wait_for_line(proc, r"trace-proxy: forwarding (\S+) -> .*metrics at (\S+)/metrics")
+    wait_until_ready(proc, match.group(2))
     return proc, match.group(1), match.group(2)
+
+
+def wait_until_ready(proc: Proc, admin: str, timeout: float = 120.0) -> None:
+    """The proxy listens before its helper processes are up: measured only once `/ready` says
+    200 (a version without `/ready`, 404, was ready when it printed its line)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(admin + "/ready", timeout=5):
+                return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return
+        except OSError:
+            pass
+        if proc.popen.poll() is not None:
+            break
+        time.sleep(0.1)
+    tail = proc.log.read_text(errors="replace")[-2000:]
+    raise BenchError(f"{proc.name} did not become ready (exit code {proc.popen.poll()}):\n{tail}")
 
 
 def find_nginx() -> str:
