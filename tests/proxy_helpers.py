@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
+import os
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -105,3 +107,36 @@ def metric(metrics: Metrics, name: str, **labels: str) -> float:
             if sample.name == name and sample.labels == labels:
                 return float(sample.value)
     return 0.0
+
+
+async def raw_post(url: str, head: bytes, body: bytes) -> bytes:
+    """A POST with header bytes as they are (no client library sends bytes that are not
+    UTF-8): `head` is the request line and headers; the status line of the answer."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(head + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    data = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    return data.partition(b"\r\n")[0]
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid` started, from any of its threads (helpers start theirs from a
+    thread of their own)."""
+    found: list[int] = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as handle:
+                found.extend(int(child) for child in handle.read().split())
+        except FileNotFoundError:
+            pass  # a thread that ended meanwhile
+    return found
+
+
+def gone(pid: int) -> bool:
+    """Ended (or a zombie nobody reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True

@@ -22,8 +22,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
-from proxy_helpers import metric, running_proxy, trajectories
-from test_lifecycle import children, start_serve
+from proxy_helpers import children, gone, metric, running_proxy, trajectories
+from test_lifecycle import start_serve
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.process import CaptureProcess
@@ -381,14 +381,6 @@ async def test_a_call_dropped_for_lack_of_room_still_counts_in_its_trajectory(
     assert gaps == sum(1 for t in stored if t["summary"]["calls_dropped"])
 
 
-def _gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
-
-
 async def recorded_calls(session: aiohttp.ClientSession, admin: str) -> float:
     async with session.get(admin + "/metrics") as response:
         text = await response.text()
@@ -424,7 +416,7 @@ async def test_a_killed_proxy_still_has_its_captured_calls_recorded(
         await process.wait()
     loop = asyncio.get_running_loop()
     deadline = loop.time() + GUARD
-    while not all(_gone(pid) for pid in helpers) and loop.time() < deadline:
+    while not all(gone(pid) for pid in helpers) and loop.time() < deadline:
         await asyncio.sleep(0.1)  # polling an orphan's exit: nothing can be awaited
     [trajectory] = trajectories(tmp_path)
     assert trajectory["key"]["step"] == 7 and len(trajectory["calls"]) == 3

@@ -30,7 +30,14 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_helpers import closed_port, metric, running_proxy, scripted_upstream, trajectories
+from proxy_helpers import (
+    children,
+    closed_port,
+    metric,
+    running_proxy,
+    scripted_upstream,
+    trajectories,
+)
 
 from trace_proxy.metrics import Metrics, exposition
 
@@ -348,14 +355,6 @@ async def test_a_backend_down_at_start_and_mid_run_gets_every_record_once_when_b
     ids = trajectory_ids(received)
     assert sorted(ids) == sorted(sent), "each trajectory arrived exactly once"
     assert {t["key"]["trajectory_id"] for t in trajectories(tmp_path)} == set(sent)
-
-
-def children(pid: int) -> list[int]:
-    """A process's children, whichever of its threads started them."""
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(child) for child in (task / "children").read_text().split()]
-    return found
 
 
 async def ready(session: aiohttp.ClientSession, admin: str) -> None:

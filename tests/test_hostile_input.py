@@ -4,7 +4,6 @@ each input here once lost a record, a call, a whole store's worth of records, or
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from pathlib import Path
@@ -14,7 +13,7 @@ import orjson
 import pytest
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
-from proxy_helpers import all_calls, running_proxy, scripted_upstream, trajectories
+from proxy_helpers import all_calls, raw_post, running_proxy, scripted_upstream, trajectories
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
@@ -35,16 +34,6 @@ DEEP = b"[" * 300 + b"]" * 300  # JSON orjson reads (1,024 levels) but cannot wr
 async def answer(request: web.Request) -> web.StreamResponse:
     await request.read()
     return web.json_response(COMPLETION)
-
-
-async def raw_post(url: str, head: bytes, body: bytes) -> bytes:
-    """A POST with header bytes as they are: the status line of the answer."""
-    host, _, port = url.removeprefix("http://").partition(":")
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(head + b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-    data = await asyncio.wait_for(reader.read(), 30)
-    writer.close()
-    return data.partition(b"\r\n")[0]
 
 
 def stage() -> tuple[CaptureStage, list[GenerateCall], list[Record]]:

@@ -16,7 +16,7 @@ import aiohttp
 import orjson
 import pytest
 from aiohttp import web
-from proxy_helpers import closed_port, scripted_upstream, trajectories
+from proxy_helpers import children, closed_port, gone, scripted_upstream, trajectories
 
 from trace_proxy.lifeline import ORPHAN_SLACK
 
@@ -61,27 +61,6 @@ async def until_ready(session: aiohttp.ClientSession, admin: str, within: float 
             return
         assert loop.time() < deadline, body
         await asyncio.sleep(0.05)  # readiness is polled, as orchestrators do
-
-
-def children(pid: int) -> list[int]:
-    """The processes `pid` started, from any of its threads (helpers start theirs from a
-    thread of their own)."""
-    found: list[int] = []
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children") as handle:
-                found.extend(int(child) for child in handle.read().split())
-        except FileNotFoundError:
-            pass  # a thread that ended meanwhile
-    return found
-
-
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except FileNotFoundError:
-        return True
 
 
 async def until_gone(pids: list[int], within: float) -> float:

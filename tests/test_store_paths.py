@@ -21,7 +21,7 @@ import aiohttp
 import orjson
 import pytest
 from fakes import FakeVLLM
-from proxy_helpers import running_proxy, trajectories
+from proxy_helpers import raw_post, running_proxy, trajectories
 
 from trace_proxy.capture.metadata import HEADER_NAMES
 from trace_proxy.client import post_reward
@@ -323,20 +323,6 @@ def test_a_directory_removed_while_the_store_runs_is_made_again(tmp_path: Path) 
     assert name_file(out / "p" / "e") == "e"
 
 
-async def raw_post(proxy: str, head: bytes, body: bytes) -> bytes:
-    """A request written byte by byte (no client library would send non-UTF-8 header bytes);
-    the status line of the answer."""
-    host, port = proxy.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: proxy\r\n" + head
-                 + b"Content-Type: application/json\r\nConnection: close\r\n"
-                 + b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)  # fmt: skip
-    await writer.drain()
-    answer = await reader.read()
-    writer.close()
-    return answer.split(b"\r\n", 1)[0]
-
-
 @pytest.mark.parametrize("mode", ["process", "inline"])
 async def test_header_bytes_that_are_not_utf8_are_recorded_and_recording_goes_on(
     fake_vllm: tuple[FakeVLLM, str], tmp_path: Path, mode: str
@@ -355,7 +341,9 @@ async def test_header_bytes_that_are_not_utf8_are_recorded_and_recording_goes_on
             b"",
         ]):  # fmt: skip
             done = b"X-Rollout-Done: true\r\nX-Rollout-Sample-Index: %d\r\n" % number
-            assert await raw_post(proxy, head + done, body) == b"HTTP/1.1 200 OK"
+            line = b"POST /v1/completions HTTP/1.1\r\nHost: p\r\n"
+            json_type = b"Content-Type: application/json\r\n"
+            assert await raw_post(proxy, line + json_type + head + done, body) == b"HTTP/1.1 200 OK"
         await asyncio.wait_for(service.flush(), 60)  # a writer stopped never flushes
     keys = sorted((t["key"]["sample_index"], t["key"]["project"], t["key"]["experiment"],
                    t["key"]["trajectory_id"]) for t in trajectories(tmp_path))  # fmt: skip
