@@ -49,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=2, help="training steps [default: 2]")
 
     show = commands.add_parser("show", help="print stored trajectories readably")
-    show.add_argument("directory", help="the --output directory of serve or demo")
+    show.add_argument(
+        "directory",
+        nargs="+",
+        help="the --output directory of serve or demo; "
+        "several (one per replica) are read as one store",
+    )
     show.add_argument("--step", type=int, help="only this step")
     show.add_argument("--experiment", help="only this experiment")
     show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")

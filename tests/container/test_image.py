@@ -1,0 +1,138 @@
+"""The image built from docker/Dockerfile, run as a user runs it: healthy, forwarding, recording
+to its volume, stopping cleanly on SIGTERM, as a non-root user on a read-only root filesystem.
+
+The container shares the host's network (as a sidecar shares its pod's), in front of the
+simulated vLLM server of the other tests; the rollouts are the demo's multi-turn, tool-calling
+agent, through the real OpenAI client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import FakeVLLM
+from openai import AsyncOpenAI
+from proxy_helpers import trajectories
+
+from trace_proxy.demo.run import rollout
+
+from .daemon import DockerDaemon
+from .image import image_size
+from .provision import BASE_IMAGE
+
+UID = 10001  # docker/Dockerfile's USER
+HEALTHY_TIMEOUT_S = 180.0
+SHUTDOWN_GRACE_S = 10
+STOP_TIMEOUT_S = 2 * SHUTDOWN_GRACE_S + 5  # drain, then flush: each within the grace
+SAMPLES, ROLLOUTS = 3, 2
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def inspect(daemon: DockerDaemon, container: str) -> dict[str, Any]:
+    result: list[dict[str, Any]] = json.loads(daemon.run("inspect", container).stdout)
+    return result[0]
+
+
+async def wait_healthy(daemon: DockerDaemon, container: str) -> None:
+    """Poll Docker's view of the image's HEALTHCHECK until healthy; fail if it exits first."""
+    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+    while True:
+        state = (await asyncio.to_thread(inspect, daemon, container))["State"]
+        if state["Health"]["Status"] == "healthy":
+            return
+        if not state["Running"] or time.monotonic() > deadline:
+            logs = daemon.run("logs", container, check=False)
+            pytest.fail(f"container not healthy ({state}):\n{logs.stdout}{logs.stderr}")
+        await asyncio.sleep(0.5)  # polling the daemon's health status
+
+
+def test_image_without_extras_stays_close_to_the_base_image(
+    docker_daemon: DockerDaemon, image: str
+) -> None:
+    assert image_size(docker_daemon, image) <= 1.3 * image_size(docker_daemon, BASE_IMAGE)
+
+
+def test_image_runs_the_proxy_itself_as_a_fixed_non_root_user(
+    docker_daemon: DockerDaemon, image: str
+) -> None:
+    config = inspect(docker_daemon, image)["Config"]
+    assert config["User"] == f"{UID}:{UID}"  # numeric: Kubernetes' runAsNonRoot can check it
+    assert config["Entrypoint"] == ["trace-proxy", "serve"]  # exec form: no shell in between
+    assert config["Healthcheck"]["Test"][0] == "CMD"  # exec form too
+    assert set(config["ExposedPorts"]) == {"8100/tcp", "8101/tcp"}
+    assert set(config["Volumes"]) == {"/data"}
+
+
+async def test_container_forwards_records_and_drains_on_sigterm(
+    docker_daemon: DockerDaemon,
+    image: str,
+    free_volume: str,
+    fake_vllm: tuple[FakeVLLM, str],
+) -> None:
+    _, upstream = fake_vllm
+    port, admin_port = free_port(), free_port()
+    name = f"trace-proxy-smoke-{port}"
+    run = [
+        "run", "--detach", "--name", name, "--network", "host", "--read-only",
+        "--volume", f"{free_volume}:/data",
+        "--env", f"TRACE_PROXY_UPSTREAM={upstream}",
+        "--env", "TRACE_PROXY_HOST=127.0.0.1",  # the host's network: stay on its loopback
+        "--env", f"TRACE_PROXY_PORT={port}", "--env", f"TRACE_PROXY_ADMIN_PORT={admin_port}",
+        "--env", f"TRACE_PROXY_SHUTDOWN_GRACE={SHUTDOWN_GRACE_S}",
+        "--env", "TRACE_PROXY_STEP_CLOSE_GRACE=0",
+        image,
+    ]  # fmt: skip
+    await asyncio.to_thread(docker_daemon.run, *run)
+    try:
+        await wait_healthy(docker_daemon, name)
+        state = (await asyncio.to_thread(inspect, docker_daemon, name))["State"]
+        status = Path(f"/proc/{state['Pid']}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines())
+        assert fields["Uid"].split() == [str(UID)] * 4  # real, effective, saved, filesystem
+        assert fields["NSpid"].split()[-1] == "1"  # the proxy is the container's PID 1
+        cmdline = Path(f"/proc/{state['Pid']}/cmdline").read_bytes().split(b"\0")
+        assert b"serve" in cmdline and not any(arg.endswith(b"sh") for arg in cmdline)
+
+        client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="never-recorded")
+        try:
+            turns = await asyncio.gather(
+                *(
+                    rollout(client, "tiny-qwen", 1, sample, n, stream=(sample + n) % 2 == 1)
+                    for sample in range(SAMPLES)
+                    for n in range(ROLLOUTS)
+                )
+            )
+        finally:
+            await client.close()
+
+        # SIGTERM to PID 1; past the timeout Docker would SIGKILL it (exit code 137).
+        await asyncio.to_thread(docker_daemon.run, "stop", "--time", str(STOP_TIMEOUT_S), name)
+        state = (await asyncio.to_thread(inspect, docker_daemon, name))["State"]
+        logs = docker_daemon.run("logs", name).stdout
+        assert state["ExitCode"] == 0, logs
+        assert not state["OOMKilled"]
+        assert "trace-proxy: stopped; left in the spool: jsonl 0" in logs
+
+        store = docker_daemon.volume_path(free_volume) / "traces"
+        recorded = trajectories(store)
+        assert len(recorded) == SAMPLES * ROLLOUTS
+        assert sorted(len(t["calls"]) for t in recorded) == sorted(turns)
+        keys = {(t["key"]["sample_index"], t["key"]["rollout_n"]) for t in recorded}
+        assert keys == {(s, n) for s in range(SAMPLES) for n in range(ROLLOUTS)}
+        assert not any(b"never-recorded" in p.read_bytes() for p in store.rglob("*") if p.is_file())
+        owners = {p.stat().st_uid for p in store.rglob("*.jsonl")}
+        assert owners == {UID}
+    finally:
+        docker_daemon.run("rm", "--force", name, check=False)
