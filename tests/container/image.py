@@ -2,23 +2,32 @@
 
 The build context holds what `.dockerignore` lets through from the repository (read from that
 file, so the two cannot disagree) and a `wheels/` directory: the package's dependencies and
-setuptools, built by the host's pip. `docker build --network none` then installs from those
-wheels only (`PIP_NO_INDEX`, `PIP_FIND_LINKS`, as the Dockerfile's header says).
+setuptools, built by the host's pip and kept in the test cache until pyproject.toml's
+requirements change. `docker build --network none` then installs from those wheels only
+(`PIP_NO_INDEX`, `PIP_FIND_LINKS`, as the Dockerfile's header says).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
 from .daemon import DockerDaemon, DockerError
-from .provision import BASE_IMAGE
+from .provision import BASE_IMAGE, container_cache
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
-SETUPTOOLS = "setuptools>=68"  # pyproject.toml's build requirement
 
 
 def admitted_paths(dockerignore: Path) -> list[str]:
@@ -44,17 +53,46 @@ def make_context(dest: Path, extras: str = "") -> Path:
             shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(source, target)
-    wheels = dest / "wheels"
-    project = f"{dest}[{extras}]" if extras else str(dest)
-    cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir", str(wheels),
-           SETUPTOOLS, project]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise DockerError(f"pip wheel exited {done.returncode}:\n{done.stdout}{done.stderr}")
-    for built in wheels.glob("trace_proxy-*.whl"):
-        built.unlink()  # the image builds the package from its source, as a user's build does
-    shutil.rmtree(dest / "build", ignore_errors=True)
+    shutil.copytree(dependency_wheels(extras), dest / "wheels")
     return dest
+
+
+def dependency_wheels(extras: str = "") -> Path:
+    """Wheels of the package's requirements (with `extras`) and setuptools, from the cache."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    requirements = {
+        "build": project["build-system"]["requires"],
+        "run": project["project"]["dependencies"],
+        "extras": {
+            e: project["project"]["optional-dependencies"][e] for e in extras.split(",") if e
+        },
+        "python": [sys.version_info[:2], platform.machine()],
+    }
+    digest = hashlib.sha256(json.dumps(requirements, sort_keys=True).encode()).hexdigest()
+    cached = container_cache() / f"wheels-{digest[:16]}"
+    if cached.is_dir():
+        return cached
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".wheels-", dir=cached.parent))
+    try:
+        source = staging / "source"  # pip builds the package to resolve it: not in the repo
+        source.mkdir()
+        for name in ("pyproject.toml", "README.md"):
+            shutil.copy2(REPO / name, source / name)
+        shutil.copytree(REPO / "trace_proxy", source / "trace_proxy",
+                        ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
+        target = f"{source}[{extras}]" if extras else str(source)
+        cmd = [sys.executable, "-m", "pip", "wheel", "--quiet", "--wheel-dir",
+               str(staging / "wheels"), *requirements["build"], target]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise DockerError(f"pip wheel exited {done.returncode}:\n{done.stdout}{done.stderr}")
+        for built in (staging / "wheels").glob("trace_proxy-*.whl"):
+            built.unlink()  # the image builds the package from its source, as a user's does
+        (staging / "wheels").rename(cached)  # last: an interrupted run is redone
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return cached
 
 
 def import_base(daemon: DockerDaemon, rootfs: Path) -> None:

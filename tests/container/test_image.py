@@ -87,6 +87,7 @@ async def test_container_forwards_records_and_drains_on_sigterm(
     run = [
         "run", "--detach", "--name", name, "--network", "host", "--read-only",
         "--volume", f"{free_volume}:/data",
+        "--health-interval", "1s",  # the image's check, run sooner than its 10 s interval
         "--env", f"TRACE_PROXY_UPSTREAM={upstream}",
         "--env", "TRACE_PROXY_HOST=127.0.0.1",  # the host's network: stay on its loopback
         "--env", f"TRACE_PROXY_PORT={port}", "--env", f"TRACE_PROXY_ADMIN_PORT={admin_port}",
