@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
-from fakes import FakeVLLM
-from openai import AsyncOpenAI
+from fakes import FakeVLLM, StartFake
+from openai import AsyncOpenAI, AsyncStream
+from openai.types.chat import ChatCompletionChunk
 from proxy_helpers import trajectories
 
 from trace_proxy.demo.run import rollout
@@ -31,6 +33,7 @@ HEALTHY_TIMEOUT_S = 180.0
 SHUTDOWN_GRACE_S = 10
 STOP_TIMEOUT_S = 2 * SHUTDOWN_GRACE_S + 5  # drain, then flush: each within the grace
 SAMPLES, ROLLOUTS = 3, 2
+SLOW_TOKENS, SLOW_TOKEN_S = 100, 0.5  # in flight until SIGTERM is seen, then sped up
 
 
 def free_port() -> int:
@@ -58,6 +61,23 @@ async def wait_healthy(daemon: DockerDaemon, container: str) -> None:
         await asyncio.sleep(0.5)  # polling the daemon's health status
 
 
+async def _all(stream: AsyncStream[ChatCompletionChunk]) -> list[ChatCompletionChunk]:
+    return [chunk async for chunk in stream]
+
+
+async def wait_stopping(admin_port: int) -> None:
+    """Poll /ready until it says the listener is stopping (the proxy has taken SIGTERM)."""
+    deadline = time.monotonic() + HEALTHY_TIMEOUT_S
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            async with session.get(f"http://127.0.0.1:{admin_port}/ready") as response:
+                body = await response.json()
+            if body["checks"]["listening"] == "stopping":
+                return
+            await asyncio.sleep(0.1)  # polling the proxy's own readiness
+    pytest.fail("the proxy never said it was stopping after docker stop")
+
+
 def test_image_without_extras_stays_close_to_the_base_image(
     docker_daemon: DockerDaemon, image: str
 ) -> None:
@@ -79,9 +99,11 @@ async def test_container_forwards_records_and_drains_on_sigterm(
     docker_daemon: DockerDaemon,
     image: str,
     free_volume: str,
-    fake_vllm: tuple[FakeVLLM, str],
+    qwen_tokenizer: Any,
+    start_fake: StartFake,
 ) -> None:
-    _, upstream = fake_vllm
+    fake = FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True)
+    upstream = await start_fake(fake)
     port, admin_port = free_port(), free_port()
     name = f"trace-proxy-smoke-{port}"
     run = [
@@ -115,11 +137,30 @@ async def test_container_forwards_records_and_drains_on_sigterm(
                     for n in range(ROLLOUTS)
                 )
             )
+            # A generation still streaming when `docker stop` sends SIGTERM to PID 1: it
+            # finishes, and is recorded, before the proxy exits. Past the timeout Docker
+            # would SIGKILL it (exit code 137).
+            fake.token_delay = SLOW_TOKEN_S
+            stream = await client.chat.completions.create(
+                model="tiny-qwen", messages=[{"role": "user", "content": "Count slowly."}],
+                max_tokens=SLOW_TOKENS, extra_body={"ignore_eos": True}, stream=True,
+                extra_headers={"X-Rollout-Step": "1", "X-Rollout-Sample-Index": "99"},
+            )  # fmt: skip
+            chunks = [await stream.__anext__()]  # the generation has started
+            rest = asyncio.create_task(_all(stream))
+            stopping = asyncio.create_task(
+                asyncio.to_thread(docker_daemon.run, "stop", "--time", str(STOP_TIMEOUT_S), name)
+            )
+            await wait_stopping(admin_port)  # SIGTERM taken: /ready answers 503
+            assert not rest.done(), "the generation ended before SIGTERM reached the proxy"
+            fake.token_delay = 0.0  # now let it finish
+            chunks += await rest
         finally:
             await client.close()
+        await stopping
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finish[-1] == "length"  # the whole generation, not a cut connection
 
-        # SIGTERM to PID 1; past the timeout Docker would SIGKILL it (exit code 137).
-        await asyncio.to_thread(docker_daemon.run, "stop", "--time", str(STOP_TIMEOUT_S), name)
         state = (await asyncio.to_thread(inspect, docker_daemon, name))["State"]
         logs = docker_daemon.run("logs", name).stdout
         assert state["ExitCode"] == 0, logs
@@ -128,9 +169,12 @@ async def test_container_forwards_records_and_drains_on_sigterm(
 
         store = docker_daemon.volume_path(free_volume) / "traces"
         recorded = trajectories(store)
-        assert len(recorded) == SAMPLES * ROLLOUTS
-        assert sorted(len(t["calls"]) for t in recorded) == sorted(turns)
-        keys = {(t["key"]["sample_index"], t["key"]["rollout_n"]) for t in recorded}
+        slow = [t for t in recorded if t["key"]["sample_index"] == 99]
+        assert [len(t["calls"]) for t in slow] == [1]
+        assert slow[0]["calls"][0]["outputs"][0]["finish_reason"] == "length"
+        rollouts = [t for t in recorded if t["key"]["sample_index"] != 99]
+        assert sorted(len(t["calls"]) for t in rollouts) == sorted(turns)
+        keys = {(t["key"]["sample_index"], t["key"]["rollout_n"]) for t in rollouts}
         assert keys == {(s, n) for s in range(SAMPLES) for n in range(ROLLOUTS)}
         assert not any(b"never-recorded" in p.read_bytes() for p in store.rglob("*") if p.is_file())
         owners = {p.stat().st_uid for p in store.rglob("*.jsonl")}
