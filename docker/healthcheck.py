@@ -10,11 +10,12 @@ import os
 import sys
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 
 WILDCARDS = ("", "0.0.0.0", "::")
 
 
-def ready_url(environ: dict[str, str] | os._Environ[str]) -> str:
+def ready_url(environ: Mapping[str, str]) -> str:
     host = environ.get("TRACE_PROXY_HOST", "127.0.0.1")
     host = "127.0.0.1" if host in WILDCARDS else host
     if ":" in host:

@@ -33,6 +33,8 @@ def docker_daemon() -> Iterator[DockerDaemon]:
     with running_daemon() as daemon:
         import_base(daemon, rootfs)
         yield daemon
+    left = daemon.leftovers()
+    assert not left, f"the Docker daemon left behind: {left}"
 
 
 @pytest.fixture(scope="session")

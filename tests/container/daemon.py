@@ -109,11 +109,29 @@ class DockerDaemon:
             IP_FORWARD.write_text(self._ip_forward)
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
+    def leftovers(self) -> list[str]:
+        """What a stopped daemon left behind (nothing, once `stop` has run)."""
+        found = []
+        if self._process is not None and self._process.poll() is None:
+            found.append(f"dockerd (pid {self._process.pid}) still running")
+        prefix = str(self.work_dir) + "/"
+        found += [f"mount {m}" for m in self._mounts() if m.startswith(prefix)]
+        if self.work_dir.exists():
+            found.append(f"directory {self.work_dir}")
+        if not self._had_docker0 and Path("/sys/class/net/docker0").exists():
+            found.append("network interface docker0")
+        if self._ip_forward is not None and IP_FORWARD.read_text() != self._ip_forward:
+            found.append("net.ipv4.ip_forward changed")
+        return found
+
+    @staticmethod
+    def _mounts() -> list[str]:
+        return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
+
     def _unmount_leftovers(self) -> None:
         """Mounts under the work dir that a killed daemon left (overlays, netns), deepest first."""
         prefix = str(self.work_dir) + "/"
-        mounts = [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
-        for mount in sorted((m for m in mounts if m.startswith(prefix)), reverse=True):
+        for mount in sorted((m for m in self._mounts() if m.startswith(prefix)), reverse=True):
             subprocess.run(["umount", "--lazy", mount], check=False)
 
 
