@@ -1,5 +1,8 @@
 """A Docker daemon of the test run's own, started in a work directory and removed after.
 
+Its data (images, layers, volumes) live on a tmpfs: deleting a few hundred MB of layer files
+from disk took 10-30 s on a busy machine, unmounting takes none, and builds write to memory.
+
 It changes nothing on the host's network: no default bridge (`docker0`), no iptables rules, no
 IP forwarding. Containers run with `--network host` (or none, for builds), which needs none
 of that. Stopping it ends dockerd (and the containerd it started), unmounts whatever it left
@@ -20,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 START_TIMEOUT_S = 60.0
+DATA_SIZE = "4g"  # a tmpfs only takes the memory its files use
 STOP_TIMEOUT_S = 30.0
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
 
@@ -47,9 +51,15 @@ class DockerDaemon:
     def start(self) -> None:
         config = self.work_dir / "daemon.json"
         config.write_text("{}\n")  # not the host's /etc/docker/daemon.json
+        data = self.work_dir / "data"
+        data.mkdir()
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={DATA_SIZE},mode=0710", "tmpfs", str(data)],
+            check=True,
+        )
         cmd = [
             "dockerd", "--config-file", str(config), "--host", f"unix://{self.socket}",
-            "--data-root", str(self.work_dir / "data"), "--exec-root", str(self.work_dir / "exec"),
+            "--data-root", str(data), "--exec-root", str(self.work_dir / "exec"),
             "--pidfile", str(self.work_dir / "dockerd.pid"),
             "--bridge", "none", "--iptables=false", "--ip6tables=false", "--ip-forward=false",
             "--ip-masq=false",
@@ -129,7 +139,8 @@ class DockerDaemon:
         return [line.split()[4] for line in Path("/proc/self/mountinfo").read_text().splitlines()]
 
     def _unmount_leftovers(self) -> None:
-        """Mounts under the work dir that a killed daemon left (overlays, netns), deepest first."""
+        """Mounts under the work dir, deepest first: what a killed daemon left (overlays,
+        netns), then the data tmpfs."""
         prefix = str(self.work_dir) + "/"
         for mount in sorted((m for m in self._mounts() if m.startswith(prefix)), reverse=True):
             subprocess.run(["umount", "--lazy", mount], check=False)
