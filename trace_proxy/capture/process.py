@@ -206,6 +206,7 @@ class CaptureProcess(Helper):
         self.generation += 1
 
     def _died(self) -> None:
+        self._relayed.retire()
         self._transport = None
         self._pending, self._pending_bytes = [], 0
         # In transit, or held by the child as it last said: an upper bound, since what it
