@@ -466,3 +466,56 @@ async def test_a_helper_killed_under_load_is_replaced_and_its_records_reconcile(
     else:
         assert len(stored) >= before // 2  # what was spooled before the kill is kept
         assert len(stored) + dropped == total_calls, (len(stored), dropped)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads /proc")
+async def test_the_proxy_killed_under_load_then_restarted_stores_each_call_at_most_once(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL of the forwarding process at a random moment under load (16 calls in flight),
+    then a new proxy on the same store. Its helpers record everything they were handed; what
+    was answered in the killed process's last turn of its event loop, not yet handed over, is
+    lost with the process that would have counted it: at most what was in flight."""
+    from test_lifecycle import start_serve, until_gone
+
+    concurrency, total_calls = 16, 200
+    kill_after = random.Random("proxy-18").randrange(40, 160)
+    answered: list[str] = []
+    attempted: list[str] = []
+    async with scripted_upstream(chaos_upstream) as upstream:
+        process, proxy, admin = await start_serve(upstream, tmp_path)
+        try:
+            connector = aiohttp.TCPConnector(limit=concurrency)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                await ready(session, admin)
+                helpers = children(process.pid)
+                helpers += [pid for pid in helpers for pid in children(pid)]
+
+                async def call(tid: str) -> None:
+                    attempted.append(tid)
+                    with contextlib.suppress(aiohttp.ClientError):
+                        if await one_call(session, proxy, tid, "ok") == "200":
+                            answered.append(tid)
+                            if len(answered) == kill_after:
+                                process.kill()
+
+                await asyncio.wait_for(
+                    asyncio.gather(*(call(f"call-{i}") for i in range(total_calls))), GUARD * 4
+                )
+        finally:
+            if process.returncode is None:
+                process.kill()
+            await process.wait()
+        await until_gone(helpers, within=GUARD)  # they finish what they hold, then leave
+        second, _, admin = await start_serve(upstream, tmp_path)
+        try:
+            async with aiohttp.ClientSession() as session:
+                await ready(session, admin)  # the spool is ours: what the first left is exported
+        finally:
+            second.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(second.wait(), GUARD) == 0
+    stored = Counter(t["key"]["trajectory_id"] for t in trajectories(tmp_path))
+    assert all(n == 1 for n in stored.values()), "a call stored twice"
+    assert set(stored) <= set(attempted)
+    assert len(set(answered) - set(stored)) <= concurrency
+    assert len(answered) >= kill_after
