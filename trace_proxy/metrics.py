@@ -72,7 +72,8 @@ class Metrics:
         self.client_rejected = Counter(
             "trace_proxy_client_rejected",
             "Requests refused or cut off because of the client, by reason (header_timeout and "
-            "body_timeout: 408; header_too_large: 431); none of them reached an upstream whole",
+            "body_timeout: 408; header_too_large: 431; bad_request: 400); none of them reached an "
+            "upstream whole",
             ["reason"],
             registry=r,
         )
