@@ -307,7 +307,18 @@ class StoreIndex:
     def search(self, entries: Sequence[Entry], text: str) -> set[str]:
         """Ids of the entries whose stored line holds `text` (case-insensitive), searched in the
         JSON text: a string value is matched as JSON writes it."""
-        needle = orjson.dumps(text)[1:-1].lower()
+        needle = orjson.dumps(text)[1:-1]
+        if needle.isascii():  # compared as bytes, ASCII letters folded: no decoding
+
+            def holds(data: bytes) -> bool:
+                return needle.lower() in data.lower()
+
+        else:
+            folded = needle.decode().casefold()
+
+            def holds(data: bytes) -> bool:
+                return folded in data.decode("utf-8", "replace").casefold()
+
         found: set[str] = set()
         by_file: dict[int, list[Entry]] = {}
         for entry in entries:
@@ -319,7 +330,7 @@ class StoreIndex:
                 continue
             with handle:
                 for entry in sorted(group, key=lambda e: e.offset):
-                    if needle in os.pread(handle.fileno(), entry.length, entry.offset).lower():
+                    if holds(os.pread(handle.fileno(), entry.length, entry.offset)):
                         found.add(entry.id)
         return found
 

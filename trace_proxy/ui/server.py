@@ -123,7 +123,8 @@ class Viewer:
         try:
             response = await handler(request)
         except web.HTTPException as exc:
-            response = exc
+            exc.headers.update(SECURITY_HEADERS)
+            raise
         response.headers.update(SECURITY_HEADERS)
         return response
 
