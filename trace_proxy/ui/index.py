@@ -19,6 +19,7 @@ import json
 import math
 import os
 import stat
+import sys
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -370,10 +371,10 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         validate=bool(key.get("validate")),
         sample_index=sample,
         rollout_n=_int_or_none(key.get("rollout_n")),
-        group=group,
+        group=sys.intern(group),  # the same few strings in every entry: held once
         part=_int(record.get("part")) or 1,
-        status=str(record.get("status"))[:NAME_CAP],
-        close_reason=str(record.get("close_reason"))[:NAME_CAP],
+        status=sys.intern(str(record.get("status"))[:NAME_CAP]),
+        close_reason=sys.intern(str(record.get("close_reason"))[:NAME_CAP]),
         start=_float(record.get("start")),
         end=_float(record.get("end")),
         reward=_float_or_none(record.get("reward")),
@@ -385,7 +386,7 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         tool_errors=sum(1 for t in tools if t.get("error")),
         prompt_tokens=_int(summary.get("prompt_tokens")),
         completion_tokens=completion,
-        finish=finish,
+        finish=None if finish is None else sys.intern(finish),
         calls_dropped=_int(summary.get("calls_dropped")),
     )
 
