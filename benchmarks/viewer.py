@@ -115,8 +115,8 @@ async def measure(store: Path, rounds: int) -> dict[str, Any]:
             results[name] = (statistics.median(times), max(times))
     await runner.cleanup()
     size = sum(p.stat().st_size for p in store.rglob("*.jsonl"))
-    return {"indexed": indexed, "indexed_cpu": indexed_cpu, "trajectories": trajectories, "bytes": size, "held": held,
-            "step": len(step.entries), "pages": results}  # fmt: skip
+    return {"indexed": indexed, "indexed_cpu": indexed_cpu, "trajectories": trajectories,
+            "bytes": size, "held": held, "step": len(step.entries), "pages": results}  # fmt: skip
 
 
 def main() -> None:

@@ -37,6 +37,9 @@ def marked(text: Any) -> Markup:
     return Markup("".join(pieces))
 
 
+MAX_TOKENS_SHOWN = 4096  # per output, in the logprobs strip; the raw record has them all
+
+
 @dataclass
 class Output:
     text: str | None
@@ -137,7 +140,7 @@ def _turn(
         if logprobs:
             tokens = [
                 (i, lp if isinstance(lp, (int, float)) else None)
-                for i, lp in zip(token_ids, logprobs, strict=False)
+                for i, lp in zip(token_ids[:MAX_TOKENS_SHOWN], logprobs, strict=False)
             ]
         text = output.get("response_text")
         if text is None:
