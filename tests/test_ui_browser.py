@@ -19,10 +19,12 @@ import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 
+from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.show import iter_records
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -69,18 +71,24 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def viewer_url(demo_store: Path) -> Iterator[str]:
-    """`trace-proxy ui STORE --port 0`, as a user starts it; its URL from what it prints."""
+    """`trace-proxy ui STORE --port 0 --tokenizer DIR`, as a user starts it; its URL from what
+    it prints."""
+    tokenizer = str(ensure_qwen_tokenizer())
     process = subprocess.Popen(
-        [sys.executable, "-m", "trace_proxy", "ui", str(demo_store), "--port", "0"],
+        [sys.executable, "-m", "trace_proxy", "ui", str(demo_store), "--port", "0",
+         "--tokenizer", tokenizer],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     lines: queue.Queue[str] = queue.Queue()
-    assert process.stdout is not None
-    threading.Thread(target=lambda: lines.put(process.stdout.readline()), daemon=True).start()
+    stdout = process.stdout
+    assert stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
     try:
-        first = lines.get(timeout=60)
-        found = re.search(r"(http://127\.0\.0\.1:\d+/)", first)
-        assert found, (first, process.stderr.read() if process.poll() is not None else "")
+        printed = ""
+        while "http://" not in printed:
+            printed += lines.get(timeout=90)  # a line at a time, as they are printed
+        found = re.search(r"(http://127\.0\.0\.1:\d+/)", printed)
+        assert found, printed
         yield found.group(1)
     finally:
         process.terminate()
@@ -98,7 +106,7 @@ def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_new_user_finds_the_best_and_worst_rollout_and_where_they_diverge(
-    browser: object, viewer_url: str, demo_store: Path, shots: Path
+    browser: object, viewer_url: str, demo_store: Path, shots: Path, qwen_tokenizer: Any
 ) -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
@@ -174,8 +182,10 @@ def test_a_new_user_finds_the_best_and_worst_rollout_and_where_they_diverge(
     driver.find_element(By.CSS_SELECTOR, "#turn-0 details.logprobs summary").click()
     token = driver.find_element(By.CSS_SELECTOR, "#turn-0 .tokens .tok")
     ActionChains(driver).move_to_element(token).perform()
-    first_logprob = record["calls"][0]["outputs"][0]["logprobs"][0]
+    first_logprob = first_output["logprobs"][0]
     assert f"logprob {first_logprob:.4g}" in token.get_attribute("title")
+    first_token = first_output["token_ids"][0]
+    assert token.get_attribute("textContent") == qwen_tokenizer.decode([first_token])
     shot("05-trajectory")
     driver.find_element(By.ID, "raw-link").click()
     raw = orjson.loads(driver.find_element(By.TAG_NAME, "body").text)

@@ -28,10 +28,15 @@ def add_ui_command(commands: Any) -> None:
         "--port", type=int, default=DEFAULT_PORT,
         help=f"port to listen on, 0 for any free one [default: {DEFAULT_PORT}]",
     )  # fmt: skip
+    ui.add_argument(
+        "--tokenizer", metavar="PATH",
+        help="a local tokenizer directory: token texts beside their logprobs "
+        "(needs trace-proxy[text]); without it, token ids",
+    )  # fmt: skip
 
 
 def run_ui_command(args: dict[str, Any]) -> int:
     from trace_proxy.ui.server import run_ui
 
     stores: list[str] = args["stores"]
-    return run_ui(stores, args["host"], args["port"])
+    return run_ui(stores, args["host"], args["port"], args["tokenizer"])

@@ -96,8 +96,9 @@ def _environment() -> jinja2.Environment:
 class Viewer:
     """The app's state: the index, the templates, the address served."""
 
-    def __init__(self, index: StoreIndex) -> None:
+    def __init__(self, index: StoreIndex, piece: views.Piece | None = None) -> None:
         self.index = index
+        self.piece = piece  # a token's text, for the logprobs strip
         self.env = _environment()
         self.allowed_hosts: set[str] | None = None  # set once listening on loopback
 
@@ -230,7 +231,7 @@ class Viewer:
                 key=views.rollout_order,
             )  # fmt: skip
         record = await asyncio.to_thread(self.index.read_record, entry)
-        view = views.trajectory_view(record)
+        view = views.trajectory_view(record, self.piece)
         return self._render(
             "trajectory.html", run=run, entry=entry, t=view, siblings=siblings,
             key=(entry.validate, entry.step), timeline=_timeline(view),
@@ -257,7 +258,7 @@ class Viewer:
             raise web.HTTPBadRequest(text="name two or more trajectories of this run: ?id=…&id=…\n")
         entries = entries[:MAX_COMPARED]
         records = await asyncio.to_thread(lambda: [self.index.read_record(e) for e in entries])
-        trajectories = [views.trajectory_view(r) for r in records]
+        trajectories = [views.trajectory_view(r, self.piece) for r in records]
         divergence = views.first_divergence(trajectories)
         rows = max(len(t.turns) for t in trajectories)
         return self._render(
@@ -456,12 +457,15 @@ def is_loopback(host: str) -> bool:
 
 
 async def start(
-    stores: Sequence[str | Path], host: str = "127.0.0.1", port: int = 8300
+    stores: Sequence[str | Path],
+    host: str = "127.0.0.1",
+    port: int = 8300,
+    piece: views.Piece | None = None,
 ) -> tuple[web.AppRunner, str, Viewer]:
     """Index the stores and listen; returns the runner (to clean up), the URL and the viewer."""
     index = StoreIndex(stores)
     await asyncio.to_thread(index.refresh, True)
-    viewer = Viewer(index)
+    viewer = Viewer(index, piece)
     runner = web.AppRunner(viewer.app(), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -476,15 +480,31 @@ async def start(
     return runner, f"http://{shown}:{bound}/", viewer
 
 
-def run_ui(stores: Sequence[str], host: str, port: int) -> int:
+def token_pieces(source: str) -> views.Piece:
+    """Each token id's text, from a tokenizer (a local directory: nothing is downloaded)."""
+    from trace_proxy.trajectories.token2text import decoder_for, load_tokenizer
+
+    decode = decoder_for(load_tokenizer(source), skip_special_tokens=False)
+    return lambda token: decode([token])
+
+
+def run_ui(stores: Sequence[str], host: str, port: int, tokenizer: str | None = None) -> int:
+    from trace_proxy.trajectories.token2text import TokenizerError
+
     missing = [s for s in stores if not Path(s).is_dir()]
     if missing:
         print(f"trace-proxy: error: not a directory: {', '.join(missing)}", file=sys.stderr)
         return 2
+    try:
+        piece = token_pieces(tokenizer) if tokenizer else None
+    except TokenizerError as exc:
+        print(f"trace-proxy: error: invalid value for --tokenizer: {exc}", file=sys.stderr)
+        return 2
+    print(f"trace-proxy ui: indexing {', '.join(stores)}...", flush=True)
 
     async def serve() -> int:
         try:
-            runner, url, _ = await start(stores, host, port)
+            runner, url, _ = await start(stores, host, port, piece)
         except OSError as exc:
             print(f"trace-proxy: error: cannot listen on {host}:{port}: {exc.strerror or exc}",
                   file=sys.stderr)  # fmt: skip

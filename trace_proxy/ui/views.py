@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +46,8 @@ class Output:
     tool_calls: list[dict[str, Any]]
     finish_reason: str | None
     reasoning: str | None
-    tokens: list[tuple[int, float | None]]  # (token id, logprob) when logprobs were recorded
+    # (token id, logprob, its text when the viewer has a tokenizer) when logprobs were recorded
+    tokens: list[tuple[int, float | None, str | None]]
     token_count: int
 
 
@@ -95,7 +96,10 @@ class Trajectory:
     duration: float
 
 
-def trajectory_view(record: dict[str, Any]) -> Trajectory:
+Piece = Callable[[int], str]  # one token id's text
+
+
+def trajectory_view(record: dict[str, Any], piece: Piece | None = None) -> Trajectory:
     calls = [c for c in record.get("calls") or [] if isinstance(c, dict)]
     tools = [t for t in record.get("tools") or [] if isinstance(t, dict)]
     prompts = expand_prompts({"calls": calls})
@@ -103,7 +107,7 @@ def trajectory_view(record: dict[str, Any]) -> Trajectory:
     for tool in tools:
         by_caller.setdefault(tool.get("requested_by"), []).append(tool)
     turns = [
-        _turn(position, call, prompt, by_caller.get(call.get("index"), []))
+        _turn(position, call, prompt, by_caller.get(call.get("index"), []), piece)
         for position, (call, prompt) in enumerate(zip(calls, prompts, strict=True))
     ]
     known = {c.get("index") for c in calls}
@@ -122,7 +126,11 @@ def trajectory_view(record: dict[str, Any]) -> Trajectory:
 
 
 def _turn(
-    position: int, call: dict[str, Any], full_prompt: dict[str, Any], tools: list[dict[str, Any]]
+    position: int,
+    call: dict[str, Any],
+    full_prompt: dict[str, Any],
+    tools: list[dict[str, Any]],
+    piece: Piece | None,
 ) -> Turn:
     prompt = as_dict(call.get("prompt"))
     added_text = call.get("prompt_text")
@@ -136,10 +144,10 @@ def _turn(
             continue
         token_ids = as_list(output.get("token_ids"))
         logprobs = as_list(output.get("logprobs"))
-        tokens: list[tuple[int, float | None]] = []
+        tokens: list[tuple[int, float | None, str | None]] = []
         if logprobs:
             tokens = [
-                (i, lp if isinstance(lp, (int, float)) else None)
+                (i, lp if isinstance(lp, (int, float)) else None, _piece(piece, i))
                 for i, lp in zip(token_ids[:MAX_TOKENS_SHOWN], logprobs, strict=False)
             ]
         text = output.get("response_text")
@@ -292,6 +300,15 @@ def groups_of(entries: Sequence[Entry]) -> list[Group]:
 
 
 # --- helpers ---------------------------------------------------------------------------------
+
+
+def _piece(piece: Piece | None, token: Any) -> str | None:
+    if piece is None or not isinstance(token, int) or isinstance(token, bool):
+        return None
+    try:
+        return piece(token)
+    except Exception:  # an id the tokenizer does not know: shown as the id
+        return None
 
 
 def _num(value: Any) -> float:
