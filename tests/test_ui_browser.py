@@ -26,6 +26,7 @@ import pytest
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.show import iter_records
+from trace_proxy.trajectories.prompts import transcript_of
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
@@ -179,6 +180,8 @@ def test_a_new_user_finds_the_best_and_worst_rollout_and_where_they_diverge(
     first_response = driver.find_element(By.CSS_SELECTOR, "#turn-0 pre.response")
     first_output = record["calls"][0]["outputs"][0]
     assert first_response.get_attribute("textContent") == first_output["response_text"]
+    transcript = driver.find_element(By.CSS_SELECTOR, "#transcript pre")
+    assert transcript.get_attribute("textContent") == transcript_of(record)
     driver.find_element(By.CSS_SELECTOR, "#turn-0 details.logprobs summary").click()
     token = driver.find_element(By.CSS_SELECTOR, "#turn-0 .tokens .tok")
     ActionChains(driver).move_to_element(token).perform()

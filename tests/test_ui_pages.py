@@ -147,3 +147,22 @@ async def test_step_filters_sort_and_page(tmp_path: Path) -> None:
         assert (await client.get("/run/0/proj/exp/step/4")).status == 404
     finally:
         await client.close()
+
+
+async def test_several_stores_side_by_side(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        append(step_file(run_dir(tmp_path / name, "proj", name), 1),
+               trajectory(experiment=name, calls=[call(0, f"from store {name}")]))  # fmt: skip
+    viewer = Viewer(StoreIndex([tmp_path / "a", tmp_path / "b"], min_interval=0))
+    client = TestClient(TestServer(viewer.app()))
+    await client.start_server()
+    try:
+        runs = await (await client.get("/")).text()
+        assert 'href="/run/0/proj/a/"' in runs and 'href="/run/1/proj/b/"' in runs
+        step = await (await client.get("/run/1/proj/b/step/1")).text()
+        (ident,) = re.findall(r'data-id="([0-9a-f]+)"', step)
+        page = await (await client.get(f"/run/1/proj/b/t/{ident}")).text()
+        assert "from store b" in page
+        assert (await client.get(f"/run/0/proj/a/t/{ident}")).status == 404
+    finally:
+        await client.close()

@@ -25,6 +25,7 @@ import jinja2
 import orjson
 from aiohttp import web
 
+from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import views
 from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
 
@@ -234,6 +235,7 @@ class Viewer:
         view = views.trajectory_view(record, self.piece)
         return self._render(
             "trajectory.html", run=run, entry=entry, t=view, siblings=siblings,
+            transcript=transcript_of(record),
             key=(entry.validate, entry.step), timeline=_timeline(view),
         )  # fmt: skip
 
