@@ -129,11 +129,17 @@ def test_bad_lines_are_counted_and_links_are_not_followed(tmp_path: Path) -> Non
     append(step_file(outside, 1), trajectory(project="secret"))
     (store / "linked").symlink_to(tmp_path / "elsewhere" / "secret", target_is_directory=True)
     (directory / "step-000009.jsonl").symlink_to(step_file(outside, 1))
+    named = store / "named" / "exp"
+    named.mkdir(parents=True)
+    (tmp_path / "secret-name").write_text('"secret"')
+    (store / "named" / ".trace-proxy-name").symlink_to(tmp_path / "secret-name")
+    append(step_file(named, 1), trajectory(project="named"))
     index = StoreIndex([store])
     index.refresh(force=True)
-    (run,) = index.runs.values()
+    run, other = index.runs[(0, "proj", "exp")], index.runs[(0, "named", "exp")]
     assert run.project == "proj" and run.unreadable == 2 and run.trajectories == 1
     assert (False, 9) not in run.steps
+    assert len(index.runs) == 2 and other.project == "named"  # its name file is a link
 
 
 def test_search_matches_text_as_the_store_writes_it(tmp_path: Path) -> None:

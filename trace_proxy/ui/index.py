@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import orjson
 
@@ -232,7 +232,7 @@ class StoreIndex:
 
     def _read_new(self, run: Run, state: FileState, name: str) -> None:
         try:
-            handle = open(state.path, "rb")  # noqa: SIM115 - closed below
+            handle = open_no_link(state.path)
         except OSError:
             return
         with handle:
@@ -290,7 +290,7 @@ class StoreIndex:
 
     def read_line(self, entry: Entry) -> bytes:
         """The stored line of `entry`, read again from its file."""
-        with open(self.files[entry.file], "rb") as handle:
+        with open_no_link(self.files[entry.file]) as handle:
             return os.pread(handle.fileno(), entry.length, entry.offset)
 
     def read_record(self, entry: Entry) -> dict[str, Any]:
@@ -326,7 +326,7 @@ class StoreIndex:
             by_file.setdefault(entry.file, []).append(entry)
         for number, group in by_file.items():
             try:
-                handle = open(self.files[number], "rb")  # noqa: SIM115 - closed below
+                handle = open_no_link(self.files[number])
             except OSError:
                 continue
             with handle:
@@ -480,10 +480,16 @@ def _jsonl_files(path: Path) -> list[tuple[str, os.stat_result]]:
     return sorted(found)
 
 
+def open_no_link(path: Path) -> BinaryIO:
+    """`path` for reading, refusing a symbolic link put there since the store was listed."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
+
+
 def _dir_value(path: Path) -> str:
     """The value a store directory is for: its name file, else its decoded name."""
     try:
-        value = json.loads((path / NAME_FILE).read_text(encoding="utf-8"))
+        with open_no_link(path / NAME_FILE) as handle:
+            value = json.loads(handle.read(4 * NAME_CAP + 1024).decode("utf-8"))
         if isinstance(value, str):
             return value[:NAME_CAP]
     except (OSError, ValueError):
