@@ -145,6 +145,13 @@ async def test_step_filters_sort_and_page(tmp_path: Path) -> None:
         means = [float(m) for m in re.findall(r"mean reward ([0-9.]+)", page)]
         assert means == sorted(means)
         assert (await client.get("/run/0/proj/exp/step/4")).status == 404
+        assert (await client.get(base + "?split=validation")).status == 404  # none recorded
+        append(step_file(directory, 3, validate=True), trajectory(step=3, validate=True))
+        moved = await client.get(base + "?split=validation&q=x&page=2", allow_redirects=False)
+        assert moved.status == 302
+        assert moved.headers["Location"] == "/run/0/proj/exp/step/validate-3?q=x"
+        page = await (await client.get(base + "?split=validation")).text()
+        assert "validation step 3" in page and 'id="split"' in page
     finally:
         await client.close()
 

@@ -182,6 +182,14 @@ class Viewer:
             summary = step.summary
             other = (not key[0], key[1])
             other_exists = other in run.steps
+        split = query.get("split")
+        if split in ("training", "validation") and (split == "validation") != key[0]:
+            if not other_exists:
+                raise web.HTTPNotFound(text=f"this step has no {split} trajectories\n")
+            rest = [(k, v) for k, v in query.items() if k not in ("split", "page")]
+            raise web.HTTPFound(
+                f"{run_url(run)}/step/{step_name(other)}" + (f"?{urlencode(rest)}" if rest else "")
+            )
         text = query.get("q", "").strip()
         matching = await asyncio.to_thread(self.index.search, entries, text) if text else None
         status = query.get("status", "")
