@@ -173,3 +173,25 @@ async def test_several_stores_side_by_side(tmp_path: Path) -> None:
         assert (await client.get(f"/run/0/proj/a/t/{ident}")).status == 404
     finally:
         await client.close()
+
+
+async def test_steps_of_a_run_with_validation_apart(tmp_path: Path) -> None:
+    directory = run_dir(tmp_path)
+    for step, rewards in ((1, [0.0, 1.0]), (2, [1.0, 1.0])):
+        append(
+            step_file(directory, step),
+            *(trajectory(step=step, rollout=n, reward=r) for n, r in enumerate(rewards)),
+        )
+    append(step_file(directory, 2, validate=True), trajectory(step=2, validate=True, reward=0.25))
+    client = TestClient(TestServer(Viewer(StoreIndex([tmp_path], min_interval=0)).app()))
+    await client.start_server()
+    try:
+        page = await (await client.get("/run/0/proj/exp/")).text()
+        train = page[page.index('id="train-steps"') : page.index('id="validation-steps"')]
+        validation = page[page.index('id="validation-steps"') :]
+        assert train.count("<tr>") == 3 and validation.count("<tr>") == 2  # with the heads
+        assert ">0.5<" in train and ">0.25<" in validation  # mean rewards
+        assert 'href="/run/0/proj/exp/step/validate-2"' in validation
+        assert page.count("<polyline") == 3 + 3  # reward, length, tools: each split
+    finally:
+        await client.close()
