@@ -520,6 +520,9 @@ def run_ui(stores: Sequence[str], host: str, port: int, tokenizer: str | None = 
                   file=sys.stderr)  # fmt: skip
             return 1
         print(f"trace-proxy ui: {url}  (stores: {', '.join(stores)}; Ctrl-C stops)", flush=True)
+        if not is_loopback(host):
+            print(f"trace-proxy ui: warning: listening on {host}: whoever can reach this port "
+                  "can read every record of these stores", file=sys.stderr, flush=True)  # fmt: skip
         stopping = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
