@@ -14,7 +14,7 @@ from ui_records import annotation, append, call, run_dir, step_file, trajectory
 
 from trace_proxy.storenames import store_name
 from trace_proxy.ui.index import StoreIndex
-from trace_proxy.ui.server import Viewer
+from trace_proxy.ui.server import Viewer, is_loopback
 
 EVIL = '<script>alert("x")</script><img src=x onerror=alert(1)>'
 EVIL_PROJECT = f"p{EVIL}"
@@ -118,6 +118,8 @@ async def test_only_the_served_address_is_answered(
     viewer.allowed_hosts = {f"127.0.0.1:{port}", f"localhost:{port}"}
     assert (await client.get("/", headers={"Host": "attacker.example"})).status == 421
     assert (await client.get("/", headers={"Host": f"localhost:{port}"})).status == 200
+    assert all(is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.8.0.1"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.com"))
 
 
 async def test_step_filters_sort_and_page(tmp_path: Path) -> None:
