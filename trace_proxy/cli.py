@@ -1,4 +1,4 @@
-"""`trace-proxy serve | demo | show`: the command line, assembled from the declared options."""
+"""`trace-proxy serve | demo | show | ui`: the command line, assembled from the declared options."""
 
 from __future__ import annotations
 
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--experiment", help="only this experiment")
     show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
     show.add_argument("--width", type=int, default=100, help="characters of text per call line")
+
+    from trace_proxy.ui.command import add_ui_command
+
+    add_ui_command(commands)
     return parser
 
 
@@ -66,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "ui":
+        from trace_proxy.ui.command import run_ui_command
+
+        return run_ui_command(args)
     if command == "show":
         from trace_proxy.show import show
 
