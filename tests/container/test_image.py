@@ -130,7 +130,7 @@ async def test_container_forwards_records_and_drains_on_sigterm(
 
         client = AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="never-recorded")
         try:
-            turns = await asyncio.gather(
+            results = await asyncio.gather(
                 *(
                     rollout(client, "tiny-qwen", 1, sample, n, stream=(sample + n) % 2 == 1)
                     for sample in range(SAMPLES)
@@ -173,7 +173,7 @@ async def test_container_forwards_records_and_drains_on_sigterm(
         assert [len(t["calls"]) for t in slow] == [1]
         assert slow[0]["calls"][0]["outputs"][0]["finish_reason"] == "length"
         rollouts = [t for t in recorded if t["key"]["sample_index"] != 99]
-        assert sorted(len(t["calls"]) for t in rollouts) == sorted(turns)
+        assert sorted(len(t["calls"]) for t in rollouts) == sorted(turns for turns, _ in results)
         keys = {(t["key"]["sample_index"], t["key"]["rollout_n"]) for t in rollouts}
         assert keys == {(s, n) for s in range(SAMPLES) for n in range(ROLLOUTS)}
         assert not any(b"never-recorded" in p.read_bytes() for p in store.rglob("*") if p.is_file())
