@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 START_TIMEOUT_S = 60.0
+NAMESPACE = "trace-proxy-tests"
 DATA_SIZE = "4g"  # a tmpfs only takes the memory its files use
 STOP_TIMEOUT_S = 30.0
 IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
@@ -63,6 +64,9 @@ class DockerDaemon:
             "--pidfile", str(self.work_dir / "dockerd.pid"),
             "--bridge", "none", "--iptables=false", "--ip6tables=false", "--ip-forward=false",
             "--ip-masq=false",
+            # Where a system containerd runs, dockerd uses it: keep out of its Docker's way.
+            "--containerd-namespace", NAMESPACE,
+            "--containerd-plugins-namespace", f"{NAMESPACE}-plugins",
         ]  # fmt: skip
         with self.log_path.open("wb") as log:
             self._process = subprocess.Popen(
