@@ -2,7 +2,7 @@
 to its volume, stopping cleanly on SIGTERM, as a non-root user on a read-only root filesystem.
 
 The container shares the host's network (as a sidecar shares its pod's), in front of the
-simulated vLLM server of the other tests; the rollouts are the demo's multi-turn, tool-calling
+simulated vLLM server (tests/fakes); the rollouts are the demo's multi-turn, tool-calling
 agent, through the real OpenAI client.
 """
 
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ import pytest
 from fakes import FakeVLLM, StartFake
 from openai import AsyncOpenAI, AsyncStream
 from openai.types.chat import ChatCompletionChunk
-from proxy_helpers import trajectories
+from proxy_helpers import closed_port, trajectories
 
 from trace_proxy.demo.run import rollout
 
@@ -34,13 +33,6 @@ SHUTDOWN_GRACE_S = 10
 STOP_TIMEOUT_S = 2 * SHUTDOWN_GRACE_S + 5  # drain, then flush: each within the grace
 SAMPLES, ROLLOUTS = 3, 2
 SLOW_TOKENS, SLOW_TOKEN_S = 100, 0.5  # in flight until SIGTERM is seen, then sped up
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def inspect(daemon: DockerDaemon, container: str) -> dict[str, Any]:
@@ -104,7 +96,9 @@ async def test_container_forwards_records_and_drains_on_sigterm(
 ) -> None:
     fake = FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True)
     upstream = await start_fake(fake)
-    port, admin_port = free_port(), free_port()
+    port, admin_port = closed_port(), closed_port()
+    while admin_port == port:
+        admin_port = closed_port()
     name = f"trace-proxy-smoke-{port}"
     run = [
         "run", "--detach", "--name", name, "--network", "host", "--read-only",
