@@ -142,3 +142,102 @@ def test_state_is_bounded_and_evictions_are_counted() -> None:
     for i in range(25):
         a.add_call(KeyHints(), call(i, [i] * 20, [1]))
     assert len(evicted) == 15
+
+
+class Words:
+    """A decoder over a made-up vocabulary: id i is the word `w<i> `."""
+
+    @staticmethod
+    def decode(ids: object) -> str:
+        return "".join(f"w{i} " for i in ids)  # type: ignore[attr-defined]
+
+
+def text_call(start: float, prompt: list[int], reply: str) -> GenerateCall:
+    """A completions call answered with text only (no token ids), as skyrl-train's remote
+    engine asks for them."""
+    return call(start, prompt, None, text=reply)
+
+
+def _text_group(a: Assembler, first: list[int], replies: list[str]) -> None:
+    for n, reply in enumerate(replies):
+        a.add_call(KeyHints(), text_call(n * 0.01, first, reply))
+
+
+def test_a_text_only_continuation_goes_to_the_rollout_whose_reply_it_carries() -> None:
+    from trace_proxy.trajectories.token2text import Tokenizers
+
+    tokenizers = Tokenizers()
+    tokenizers.add(None, Words.decode)
+    out: list[Record] = []
+    inference = TrafficInference(tokenizers=tokenizers)
+    a = Assembler(out.append, project="p", experiment="e", idle_timeout=60, inference=inference)
+    first = list(range(100, 140))
+    _text_group(a, first, ["w7 w8 ", "w1 w2 ", "w3 ", "w5 w6 "])
+    # turn 2 of the third rollout: prompt + its reply re-tokenized + the environment's ids
+    a.add_call(KeyHints(), text_call(1, [*first, 3, 60, 61], "w9 "))
+    a.close_all()
+    recorded = trajectories(out)
+    [two] = [t for t in recorded if len(t.calls) == 2]
+    assert two.calls[0].outputs[0].text == "w3 "
+    assert two.key.rollout_n == 2
+    assert len(recorded) == 4
+
+
+def test_an_ambiguous_continuation_starts_a_marked_trajectory_of_its_own() -> None:
+    """No tokenizer to tell the group's rollouts apart: never guess."""
+    a, out, _ = assembler()
+    first = list(range(100, 140))
+    _text_group(a, first, ["w7 w8 ", "w1 w2 ", "w3 ", "w5 w6 "])
+    a.add_call(KeyHints(), text_call(1, [*first, 3, 60, 61], "w9 "))
+    a.close_all()
+    recorded = trajectories(out)
+    assert sorted(len(t.calls) for t in recorded) == [1, 1, 1, 1, 1]
+    [marked] = [t for t in recorded if t.calls[0].outputs[0].text == "w9 "]
+    assert marked.key.sources["trajectory_id"] == "inferred:ambiguous"
+    assert marked.key.rollout_n is None
+    group = {t.key.sample_hash for t in recorded}
+    assert len(group) == 1  # still of the sample all the candidates share
+
+
+def test_identical_replies_are_ambiguous_even_with_token_ids() -> None:
+    a, out, _ = assembler()
+    first = list(range(100, 140))
+    a.add_call(KeyHints(), call(0, first, [1, 2]))
+    a.add_call(KeyHints(), call(0.01, first, [1, 2]))
+    a.add_call(KeyHints(), call(1, [*first, 1, 2, 50], [4]))
+    a.close_all()
+    recorded = trajectories(out)
+    assert sorted(len(t.calls) for t in recorded) == [1, 1, 1]
+    assert any(t.key.sources["trajectory_id"] == "inferred:ambiguous" for t in recorded)
+
+
+def test_a_mapped_trajectory_id_only_fixes_the_grouping() -> None:
+    a, out, _ = assembler()
+    first = list(range(100, 140))
+
+    def mapped(session: str) -> KeyHints:
+        hints = KeyHints()
+        hints.offer("trajectory_id", session, "map:header:X-Session-ID=trajectory_id")
+        return hints
+
+    a.add_call(mapped("s0"), call(0, first, [1, 2]))
+    a.add_call(mapped("s1"), call(0.01, first, [3]))
+    a.add_event(StepEvent(event="weight_update", route="/update_weights", upstream="u",
+                          time=1, project="p", experiment="e"))  # fmt: skip
+    # a turn of s0 after the update keeps its step; the new session starts step 1
+    a.add_call(mapped("s0"), call(2, [9, 9, 9], [4]))  # mapped: grouped whatever its prompt
+    a.add_call(mapped("s2"), call(3, list(range(300, 340)), [5]))
+    a.close_all()
+    by_id = {t.key.trajectory_id: t for t in trajectories(out)}
+    assert len(by_id["s0"].calls) == 2
+    assert [by_id[s].key.step for s in ("s0", "s1", "s2")] == [0, 0, 1]
+    assert by_id["s0"].key.sample_hash == by_id["s1"].key.sample_hash is not None
+    assert by_id["s2"].key.sample_hash not in (None, by_id["s0"].key.sample_hash)
+    assert [by_id[s].key.rollout_n for s in ("s0", "s1", "s2")] == [0, 1, 0]
+    sources = by_id["s0"].key.sources
+    assert sources["trajectory_id"].startswith("map:")
+    assert (sources["step"], sources["sample_hash"], sources["rollout_n"]) == (
+        "inferred:weight_updates",
+        "inferred:first_prompt",
+        "inferred:order_in_group",
+    )

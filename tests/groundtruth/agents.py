@@ -32,6 +32,7 @@ from groundtruth.truth import TrueCall, TrueTool, TrueTrajectory
 MAX_TURNS = 6
 MAX_TOKENS = 1024
 IM_END_ID = 151645
+IM_END_TEXT = "<|im_end|>"
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,8 @@ class Variant:
     api: str  # "chat" | "completions" | "vllm_generate" | "sglang_generate"
     stream: bool = False
     areal: bool = False  # AReaL's completions payload
+    text: bool = False  # text back, re-tokenized by the agent (skyrl-train's remote engine)
+    batched: bool = False  # first turns go out as one batch of prompts (a list of id lists)
 
     @property
     def tokens(self) -> bool:
@@ -61,6 +64,43 @@ class Interrupt:
 
 
 @dataclass
+class Batch:
+    """First turns of `size` rollouts sent as one request, as skyrl-train batches them; each
+    rollout gets its own choice. A batch carries one seed, so its rollouts are of different
+    samples (rollout r of each): a group's rollouts differ by their batch's seed."""
+
+    size: int
+    seed: int | None
+    waiting: list[tuple[list[int], asyncio.Future[Reply]]] = field(default_factory=list)
+
+    async def generate(self, backend: Backend, rollout: Rollout, ids: list[int]) -> Reply:
+        future: asyncio.Future[Reply] = asyncio.get_running_loop().create_future()
+        self.waiting.append((ids, future))
+        if len(self.waiting) == self.size:
+            await self._send(backend, rollout)
+        return await future
+
+    async def _send(self, backend: Backend, rollout: Rollout) -> None:
+        s = rollout.sampling
+        body = clients.text_completions_body(
+            [ids for ids, _ in self.waiting], Sampling(s.max_tokens, s.temperature, self.seed)
+        )
+        try:
+            payload = await clients.post(
+                backend.session, backend.url + "/v1/completions", body, rollout.headers
+            )
+            replies = clients.read_text_completions(payload)
+        except Exception as exc:
+            for _, future in self.waiting:
+                future.set_exception(exc)
+            return
+        for (_, future), reply in zip(self.waiting, replies, strict=True):
+            # One response id for the batch: each rollout's unit is the id and its reply.
+            reply.request_id = f"{reply.request_id}#{reply.content}"
+            future.set_result(reply)
+
+
+@dataclass
 class Rollout:
     """Everything one agent loop needs; it fills in `truth` as it goes."""
 
@@ -71,6 +111,7 @@ class Rollout:
     headers: dict[str, str]
     prefix: str = ""  # a `/rollout/<field>=<value>/...` path prefix carrying the key
     interrupt: Interrupt | None = None
+    batch: Batch | None = None  # its first turn's batch (batched variants)
 
 
 @dataclass
@@ -162,6 +203,9 @@ def _run_tools(
 async def _token_loop(backend: Backend, rollout: Rollout) -> None:
     truth = rollout.truth
     ids = list(backend.first_prompt(rollout.messages))
+    if rollout.variant.text:
+        await _text_loop(backend, rollout, ids)
+        return
     for turn in range(MAX_TURNS):
         call = await _logical_generate(backend, rollout, ids, turn)
         truth.calls.append(call)
@@ -175,6 +219,31 @@ async def _token_loop(backend: Backend, rollout: Rollout) -> None:
         results = [result for _, result in _run_tools(truth, turn, requests)]
         ended = bool(output) and output[-1] == IM_END_ID
         ids = [*ids, *output, *backend.encode(tool_results_suffix(results, ended))]
+
+
+async def _text_loop(backend: Backend, rollout: Rollout, ids: list[int]) -> None:
+    """skyrl-train's loop: the reply comes as text and is tokenized again for the next turn,
+    so the next prompt need not hold the ids the server generated."""
+    truth = rollout.truth
+    for turn in range(MAX_TURNS):
+        if turn == 0 and rollout.batch is not None:
+            reply = await rollout.batch.generate(backend, rollout, ids)
+        else:
+            body = clients.text_completions_body([ids], rollout.sampling)
+            body["prompt"] = ids  # one prompt: a plain id list
+            url = backend.url + rollout.prefix + "/v1/completions"
+            payload = await clients.post(backend.session, url, body, rollout.headers)
+            [reply] = clients.read_text_completions(payload)
+        text = reply.content or ""
+        truth.calls.append(TrueCall([reply.request_id], None, reply.finish_reason))
+        if turn == 0:
+            truth.first_reply = text
+        requests = parse_tool_calls(text)
+        if not requests or reply.finish_reason != "stop":
+            return
+        results = [result for _, result in _run_tools(truth, turn, requests)]
+        ended = text.endswith(IM_END_TEXT)
+        ids = [*ids, *backend.encode(text), *backend.encode(tool_results_suffix(results, ended))]
 
 
 async def _logical_generate(

@@ -163,6 +163,28 @@ def completions_body(
     return body
 
 
+def text_completions_body(prompts: list[list[int]], s: Sampling) -> JSON:
+    """skyrl-train's remote engine: a batch of id lists, text back (no token ids asked for);
+    the agent re-tokenizes each reply for its next prompt."""
+    body: JSON = {
+        "model": MODEL,
+        "prompt": prompts,
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "skip_special_tokens": False,
+    }
+    if s.seed is not None:
+        body["seed"] = s.seed
+    return body
+
+
+def read_text_completions(payload: bytes) -> list[Reply]:
+    """One reply per prompt, in choice order; `content` is the text."""
+    body = orjson.loads(payload)
+    choices = sorted(body["choices"], key=lambda c: c["index"])
+    return [Reply(body["id"], c["finish_reason"], None, c["text"]) for c in choices]
+
+
 def read_completions(payload: bytes, stream: bool, areal: bool) -> Reply:
     if not stream:
         body = orjson.loads(payload)

@@ -28,7 +28,15 @@ from typing import Any
 import aiohttp
 from proxy_helpers import running_proxy, trajectories
 
-from groundtruth.agents import MAX_TOKENS, Backend, Interrupt, Rollout, Variant, run_rollout
+from groundtruth.agents import (
+    MAX_TOKENS,
+    Backend,
+    Batch,
+    Interrupt,
+    Rollout,
+    Variant,
+    run_rollout,
+)
 from groundtruth.clients import Sampling
 from groundtruth.model import WORDS, build_fakes
 from groundtruth.truth import TrueTrajectory, Truth
@@ -39,6 +47,8 @@ VARIANTS = (
     Variant("vllm.completions", "vllm", "completions"),
     Variant("vllm.completions.stream", "vllm", "completions", stream=True),
     Variant("vllm.completions.areal", "vllm", "completions", areal=True),
+    Variant("vllm.completions.text", "vllm", "completions", text=True),
+    Variant("vllm.completions.text.batched", "vllm", "completions", text=True, batched=True),
     Variant("vllm.generate", "vllm", "vllm_generate"),
     Variant("vllm.generate.stream", "vllm", "vllm_generate", stream=True),
     Variant("sglang.generate", "sglang", "sglang_generate"),
@@ -119,7 +129,22 @@ def plan_phase(variants: list[Variant], step: int, validate: bool, with_headers:
         for position, index in enumerate(_dataset(step, validate))
         for r in range(1 if validate else N)
     ]
+    if not with_headers:  # headers name one trajectory: a batch cannot carry several
+        _batch_first_turns(rollouts, step, validate)
     return Phase(step, validate, rollouts)
+
+
+def _batch_first_turns(rollouts: list[Rollout], step: int, validate: bool) -> None:
+    """Batched variants: rollout r of every sample of the phase share one first request."""
+    members: dict[tuple[str, int], list[Rollout]] = {}
+    for rollout in rollouts:
+        if rollout.variant.batched:
+            members.setdefault((rollout.variant.name, rollout.truth.rollout_n), []).append(rollout)
+    for (name, r), batch in members.items():
+        seed = None if validate else _stable("batch", name, step, r)
+        shared = Batch(len(batch), seed)
+        for rollout in batch:
+            rollout.batch = shared
 
 
 def _rollout(
@@ -154,7 +179,7 @@ def _interrupt(
     variant: Variant, step: int, validate: bool, position: int, r: int
 ) -> Interrupt | None:
     """AReaL interrupts token generates only; see INTERRUPTS."""
-    if validate or not variant.tokens:
+    if validate or not variant.tokens or variant.text:
         return None
     for pos, rollout, turn, tokens, kind in INTERRUPTS.get(step, ()):
         if (pos, rollout) == (position, r):

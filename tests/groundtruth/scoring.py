@@ -139,11 +139,19 @@ class Recorded:
         self.by_request: dict[str, RecordedCall] = {}
         self.clusters: dict[Hashable, list[str]] = defaultdict(list)
         self.keys: dict[Hashable, dict[str, Any]] = {}
+        self.units: dict[int, list[str]] = {}  # by id() of a recorded call: its request ids
+        # A batch's calls share the response id: each is its id and its reply (see truth.py).
+        seen = Counter(rid for record in records for c in record["calls"]
+                       for rid in call_request_ids(c))  # fmt: skip
         for record in sorted(records, key=lambda r: r.get("part", 1)):
             cluster = cluster_of(record)
             self.keys.setdefault(cluster, record["key"])
             for position, call in enumerate(record["calls"]):
                 ids = call_request_ids(call)
+                if len(ids) == 1 and seen[ids[0]] > 1:
+                    outputs = call.get("outputs") or [{}]
+                    ids = [f"{ids[0]}#{outputs[0].get('text')}"]
+                self.units[id(call)] = ids
                 rc = RecordedCall(record, position, cluster, ids)
                 for rid in ids:
                     self.by_request[rid] = rc
@@ -251,7 +259,7 @@ def _recorded_spans(
             calls = record["calls"]
             t = None
             if isinstance(by, int) and 0 <= by < len(calls):
-                found = owner.get(call_request_ids(calls[by])[0])
+                found = owner.get(recorded.units[id(calls[by])][0])
                 t = found[0] if found else None
             spans.append((t, span))
     return spans
@@ -365,7 +373,7 @@ def _resumes(truth: Truth, recorded: Recorded) -> tuple[Ratio, int]:
         1
         for record in recorded.records
         for call in record["calls"]
-        if len({owner[r][0].id + f"/{owner[r][1]}" for r in call_request_ids(call) if r in owner})
+        if len({owner[r][0].id + f"/{owner[r][1]}" for r in recorded.units[id(call)] if r in owner})
         > 1
     )
     return ratio, false_merges

@@ -2,7 +2,8 @@
 
 HTTP requests are identified by the id the server put in its response (`chatcmpl-…`,
 `cmpl-…`, `generate-tokens-…`, SGLang `rid`): the recorded calls carry the same ids, in
-`request_id` and in the `segments` of a merged call.
+`request_id` and in the `segments` of a merged call. The prompts of one batched request share
+its id: each is named by the id and its reply's text (`<id>#<text>`).
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ class Recorder:
         self.ledger = Ledger()  # where each exchange is, for the proxy if this process dies
         self.pipeline = self._export_pipeline(exporters)
         closed = children(metrics.trajectories_closed)
+        self.inference = TrafficInference(on_evict=metrics.inference_evicted.inc)
         sampler_dropped, sampled = children(metrics.sampler_dropped), children(metrics.sampled)
         self.assembler = Assembler(
             self.pipeline.submit,
@@ -72,7 +73,7 @@ class Recorder:
             defer_finishing=True,  # the capture stage emits closed trajectories in bursts
             ledger=self.ledger,
             on_close=lambda reason: closed(reason).inc(),
-            inference=TrafficInference(on_evict=metrics.inference_evicted.inc),
+            inference=self.inference,
             gate=SamplingGate(
                 sampler_of(settings),
                 self.pipeline.submit,
@@ -96,6 +97,7 @@ class Recorder:
         self.tokenizer_discovery: asyncio.Future[None] | None = None  # once upstreams answered
         self._discovering: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._inference_tokenizers: asyncio.Task[None] | None = None
 
     def _export_pipeline(self, exporters: list[Exporter] | None) -> ExportPipeline:
         """Exporters given as objects (tests, embedding) run inline; else as configured."""
@@ -167,6 +169,20 @@ class Recorder:
         self.capture.start()
         self.pipeline.start_writing()
         self._starting = loop.create_task(self._start_exports())
+        if self._inline is None and self.settings.tokenizer:
+            self._inference_tokenizers = loop.create_task(self._load_inference_tokenizers())
+
+    async def _load_inference_tokenizers(self) -> None:
+        """The `--tokenizer`s here too, for telling apart continuations of replies that came
+        as text only (`TrafficInference`); the export process loads its own for token2text
+        and reports what fails to load, so a failure here only leaves them undecided."""
+        settings = self.settings
+        try:
+            self.inference.tokenizers = await asyncio.to_thread(
+                load_configured, settings.tokenizer, settings.skip_special_tokens
+            )
+        except TokenizerError:
+            return
 
     async def _start_exports(self) -> None:
         exports = self.pipeline.exports
@@ -201,6 +217,7 @@ class Recorder:
             on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
         )
         self._inline.add_processor(self.token2text)
+        self.inference.tokenizers = self.token2text.tokenizers
         if not self.token2text.tokenizers.empty:
             _settle(self.tokenizer_discovery)
             return
@@ -281,6 +298,8 @@ class Recorder:
         self.hurry()
         if self._discovering is not None:
             self._discovering.cancel()
+        if self._inference_tokenizers is not None:
+            self._inference_tokenizers.cancel()
         starting = self._starting
         if starting is not None and not starting.done():  # the exporters get the time to start
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):

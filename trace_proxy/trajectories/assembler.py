@@ -24,7 +24,7 @@ from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import MAX_VALUE_LEN, KeyHints
 from trace_proxy.storenames import store_name
 from trace_proxy.trajectories.gate import SamplingGate
-from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.inference import MAPPED_SOURCE, TrafficInference
 from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
 from trace_proxy.trajectories.record import (
     GenerateCall,
@@ -46,10 +46,18 @@ from trace_proxy.trajectories.rewards import Outcome, matches
 from trace_proxy.trajectories.tools import chat_tool_spans
 
 IdsShared = tuple[GenerateCall, int, int]
+
 # The first prompts remembered per sample, for its other rollouts (see `latest_prompt`): the
 # latest samples' (a group's rollouts start close together), at most so many and so large.
 FIRST_PROMPTS = 1024
 FIRST_PROMPTS_BYTES = 32 << 20
+
+
+def _mapped_id(key: RolloutKey) -> bool:
+    """The trajectory id came from a `--map` rule: it groups, the rest is still inferred."""
+    return key.trajectory_id is not None and key.sources.get("trajectory_id", "").startswith(
+        MAPPED_SOURCE
+    )
 
 
 @dataclass
@@ -179,8 +187,11 @@ class Assembler:
         """`admitted`: the sampler already let this call in (see `admit_early`). `ids_text`:
         the JSON text the call's prompt ids were decoded from (see `decode_request`)."""
         key = self._key(hints)
-        if self._identity(key) is None and self._inference is not None:
-            self._inference.place(key, call)
+        if self._inference is not None:
+            if self._identity(key) is None:
+                self._inference.place(key, call)
+            elif _mapped_id(key):
+                self._inference.place_mapped(key, call)
         found = self._destination(key, hints, admitted)
         if found is None:
             self._ledger.settle()  # the sampler's refusal, counted
@@ -228,6 +239,20 @@ class Assembler:
         ):
             _, (old, _) = prompts.popitem(last=False)
             self._first_prompts_bytes -= len(old)
+
+    def end(self, hints: KeyHints) -> None:
+        """The client says the trajectory `hints` names is over (as `X-Rollout-Done` on its
+        last call would): closed as done now, not at the idle timeout."""
+        key = self._key(hints)
+        identity = self._identity(key)
+        if identity is None:
+            return
+        trajectory = self._open.pop(identity, None)
+        if trajectory is not None:
+            self._close(trajectory, "done")
+        elif self._inference is not None and _mapped_id(key):
+            assert key.trajectory_id is not None
+            self._inference.forget_mapped(key.project, key.trajectory_id)
 
     def add_dropped(
         self, hints: KeyHints, start: float, end: float | None, admitted: bool = False
@@ -429,6 +454,10 @@ class Assembler:
 
     def _close(self, trajectory: _Open, reason: str) -> None:
         identity = self._identity(trajectory.key)
+        key = trajectory.key
+        if reason == "done" and self._inference is not None and _mapped_id(key):
+            assert key.trajectory_id is not None
+            self._inference.forget_mapped(key.project, key.trajectory_id)
         if identity is not None:
             self._parts[identity] = trajectory.part
             while len(self._parts) > self._max_open:

@@ -77,14 +77,19 @@ def text_tool_spans(
     decoders: Sequence[Callable[[Sequence[int]], str] | None],
     parser: ToolCallParser,
 ) -> list[ToolCall]:
-    """Spans for tool calls written in decoded text (token dialects), with their results."""
+    """Spans for tool calls written in decoded text (token dialects), with their results;
+    a reply that came back as text only (no token ids asked for) is read as it came."""
     spans: list[ToolCall] = []
     for position, call in enumerate(calls):
         output = call.outputs[0] if call.outputs else None
         decode = decoders[position]
-        if output is None or output.tool_calls or not output.response_text or decode is None:
+        if output is None or output.tool_calls or decode is None:
             continue
-        parsed = parser.parse_response(output.response_text)
+        # A reply that came as text only (no ids to decode) is read as it came.
+        text = output.response_text or (None if output.token_ids else output.text)
+        if not isinstance(text, str) or not text:
+            continue
+        parsed = parser.parse_response(text)
         if not parsed.calls and not parsed.unparsed:
             continue
         follow = calls[position + 1] if position + 1 < len(calls) else None
