@@ -288,7 +288,9 @@ OPTIONS: tuple[Option, ...] = (
            "helper processes whose proxy was killed finish within it", metavar="SECONDS"),
     Option("map", _mapping, ["header:X-Session-ID=trajectory_id"],
            "take a key field from what clients already send: SOURCE:NAME=FIELD or "
-           "SOURCE:NAME=/REGEX with named groups/; SOURCE is header or body (repeatable)",
+           "SOURCE:NAME=/REGEX with named groups/; SOURCE is header or body; or "
+           "path:strip=/REGEX/ (a key in the URL path, removed before forwarding) or "
+           "path:keep=/REGEX/ (forwarded as it came) (repeatable)",
            multiple=True, metavar="RULE"),
     Option("token2text", parse_flag, False, "decode token ids to text (prompt_text, "
            "response_text, transcript) for recorded trajectories, off the forwarding path",

@@ -5,7 +5,11 @@ Sources are tried in a fixed order and the first valid value of each field wins:
   2. the W3C `baggage` header (`rollout.*` keys),
   3. the URL path prefix `/rollout/<field>=<value>/...` (removed before forwarding),
   4. mapping rules over what clients already send (`header:X-Session-ID=trajectory_id`,
-     `body:rid=/^(?P<trajectory_id>.+)-\\d+$/`, ...).
+     `body:rid=/^(?P<trajectory_id>.+)-\\d+$/`,
+     `path:strip=/^/sessions/(?P<trajectory_id>[^/]+)/`, ...). A `path:` rule reads the URL
+     path; what it matched is not part of the route the call is parsed as, and with `strip`
+     it is removed before forwarding too (`keep` forwards the path as it came, for an
+     upstream that routes on it).
 A malformed value never fails the request: it becomes an annotation on the record and the field
 falls through to the next source.
 """
@@ -93,8 +97,8 @@ class MappingRule:
     """`SOURCE:NAME=FIELD` or `SOURCE:NAME=/REGEX/` (named groups are fields)."""
 
     text: str
-    source: str  # "header" | "body"
-    name: str
+    source: str  # "header" | "body" | "path"
+    name: str  # a header or body field; for "path", "strip" or "keep"
     field: str | None
     pattern: re.Pattern[str] | None
 
@@ -111,9 +115,12 @@ class MappingRule:
 def parse_mapping(text: str) -> MappingRule:
     source, sep, rest = text.partition(":")
     name, eq, target = rest.partition("=")
-    if not sep or not eq or source not in ("header", "body") or not name:
+    if not sep or not eq or source not in ("header", "body", "path") or not name:
         raise ValueError(f"{text!r} is not SOURCE:NAME=FIELD or SOURCE:NAME=/REGEX/")
-    if len(target) >= 2 and target.startswith("/") and target.endswith("/"):
+    regex = len(target) >= 2 and target.startswith("/") and target.endswith("/")
+    if source == "path" and (name not in PATH_ACTIONS or not regex):
+        raise ValueError(f"{text!r} is not path:strip=/REGEX/ or path:keep=/REGEX/")
+    if regex:
         try:
             pattern = re.compile(target[1:-1])
         except re.error as exc:
@@ -125,6 +132,10 @@ def parse_mapping(text: str) -> MappingRule:
     if target not in FIELDS:
         raise ValueError(f"{text!r}: {target!r} is not a key field ({', '.join(FIELDS)})")
     return MappingRule(text, source, name, target, None)
+
+
+PATH_ACTIONS = ("strip", "keep")
+MAPPED_PATH = "map:"  # a path item a `path:` rule matched: ("map:" + rule, the whole path)
 
 
 @dataclass(slots=True)
@@ -194,6 +205,30 @@ class MetadataResolver:
     def __init__(self, rules: list[MappingRule]) -> None:
         self._header_rules = [r for r in rules if r.source == "header"]
         self._body_rules = [r for r in rules if r.source == "body"]
+        self.path_rules = [r for r in rules if r.source == "path"]
+        self._path_by_text = {r.text: r for r in self.path_rules}
+
+    def map_path(self, target: str) -> tuple[str, str | None, list[tuple[str, str]]]:
+        """`path:` rules on a request target (path and query): the target to forward, the
+        path to parse the call as (None: unchanged), and the items `resolve` reads the key
+        fields from. Each rule that matches takes its match out of the path it parses as;
+        `strip` rules out of the forwarded target too."""
+        path, qmark, query = target.partition("?")
+        parsed, forwarded = path, path
+        items: list[tuple[str, str]] = []
+        for rule in self.path_rules:
+            assert rule.pattern is not None
+            match = rule.pattern.search(parsed)
+            if match is None:
+                continue
+            items.append((MAPPED_PATH + rule.text, parsed))
+            rest = _rooted(parsed[: match.start()] + parsed[match.end() :])
+            if rule.name == "strip" and forwarded == parsed:
+                forwarded = rest
+            parsed = rest
+        if not items:
+            return target, None, []
+        return forwarded + qmark + query, parsed, items
 
     def resolve(
         self,
@@ -210,13 +245,22 @@ class MetadataResolver:
             for key, value in _baggage_items(baggage):
                 if key.startswith(BAGGAGE_PREFIX):
                     self._offer_named(hints, key[len(BAGGAGE_PREFIX) :], value, "baggage:" + key)
+        mapped_paths = []
         for key, value in path_items:
-            self._offer_named(hints, key, value, "path")
+            if key.startswith(MAPPED_PATH):
+                mapped_paths.append((key[len(MAPPED_PATH) :], value))
+            else:
+                self._offer_named(hints, key, value, "path")
         for rule in self._header_rules:
             value = headers.get(rule.name)
             if value is not None:
                 for name, part in rule.extract(value).items():
                     hints.offer(name, part, "map:" + rule.text)
+        for text, path in mapped_paths:
+            path_rule = self._path_by_text.get(text)
+            if path_rule is not None:  # else a rule of another configuration: ignored
+                for name, part in path_rule.extract(path).items():
+                    hints.offer(name, unquote(part), "map:" + path_rule.text)
         if body is not None:
             for rule in self._body_rules:
                 value = body.get(rule.name)
@@ -246,6 +290,11 @@ class MetadataResolver:
                 {"field": clean_text(key[:MAX_VALUE_LEN]), "source": clean_text(source),
                  "value": clean_text(value[:MAX_VALUE_LEN]), "error": "unknown key field"}
             )  # fmt: skip
+
+
+def _rooted(path: str) -> str:
+    """A path with what a rule matched taken out: one leading slash, never empty."""
+    return "/" + path.lstrip("/")
 
 
 def _all(headers: Mapping[str, str], name: str) -> list[str]:

@@ -17,6 +17,7 @@ from functools import partial
 from typing import Any
 
 import orjson
+from multidict import CIMultiDict, CIMultiDictProxy
 
 from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
@@ -25,6 +26,7 @@ from trace_proxy.capture.exchange import Exchange, dropped_mark
 from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
+from trace_proxy.capture.sessions import ended_session
 from trace_proxy.metrics import Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.record import ToolCall
@@ -243,6 +245,9 @@ class CaptureStage:
 
     def process(self, exchange: Exchange) -> None:
         kind = classify(exchange.method, exchange.path)
+        if kind is RouteKind.SESSION_END:  # needs no body: kept or dropped, the session ends
+            self._end_session(exchange)
+            return
         if exchange.dropped is not None:
             if kind is RouteKind.GENERATE or exchange.tool_route is not None:
                 hints = self._resolver.resolve(
@@ -315,6 +320,19 @@ class CaptureStage:
         hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, request)
         resolved[id(request)] = hints
         return self._assembler.latest_prompt(hints)
+
+    def _end_session(self, exchange: Exchange) -> None:
+        """The trajectory the session's calls were mapped to is done (see sessions.py): the
+        key is resolved from the request as if its calls' session header carried the id."""
+        ended = ended_session(exchange.path, exchange.query)
+        if ended is None:
+            return
+        header, session = ended
+        headers = CIMultiDict(exchange.request_headers)
+        headers[header] = session
+        hints = self._resolver.resolve(CIMultiDictProxy(headers), exchange.path_metadata, None)
+        self._assembler.end(hints)
+        self._metrics.open_trajectories.set(self._assembler.open_count)
 
     def _tool_call(self, exchange: Exchange) -> None:
         tool = ToolCall(

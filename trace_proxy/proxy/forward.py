@@ -66,6 +66,10 @@ class Forwarder:
         path_items: list[tuple[str, str]] = []
         if target.startswith(PATH_PREFIX):
             target, path_items = split_rollout_prefix(target)
+        parsed_as: str | None = None  # the route without what a `path:` rule matched
+        if self._resolver.path_rules:
+            target, parsed_as, mapped = self._resolver.map_path(target)
+            path_items = [*path_items, *mapped] if mapped else path_items
         path, _, query = target.partition("?")
         tool_prefix = path[1:].split("/", 1)[0] if self._tool_routes else ""
         if tool_prefix in self._tool_routes:
@@ -76,6 +80,7 @@ class Forwarder:
             path = target.partition("?")[0]
         else:
             tool_prefix = ""
+            path = parsed_as or path
             kind = classify(request.method, path)
             affinity = ""
             if self._pool.sticky:
