@@ -4,6 +4,8 @@ to the spool, so that the proxy counts exactly what a killed capture process los
 
 from __future__ import annotations
 
+import dataclasses
+
 import orjson
 from hypothesis import given, settings
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -36,6 +38,9 @@ BATCHED = other(  # one exchange, two calls
     {"choices": [{"index": i, "text": "x", "finish_reason": "stop"} for i in (0, 1)]},
 )
 TOKENIZE = other("/tokenize", {"prompt": "hi"}, {"tokens": [1]})  # nothing to record
+FINISH = dataclasses.replace(  # SkyRL's end of a session: closes one, records nothing itself
+    other("/finish_session", {}, {}), query="session_id=s1"
+)
 
 
 @settings(max_examples=40, deadline=None)
@@ -44,7 +49,7 @@ def test_each_unit_is_settled_or_carried_by_one_record_whatever_the_timing(
     schedule: tuple[list[Exchange], list[int]],
 ) -> None:
     arrivals, actions = schedule
-    arrivals = [BATCHED, TOKENIZE, *arrivals]
+    arrivals = [BATCHED, TOKENIZE, FINISH, *arrivals]
     ledger = Ledger()
     out: list[Record] = []
     gate = SamplingGate(Sampler(SEED, Policy(max_samples=KEEP)), out.append, ledger=ledger)
@@ -77,7 +82,7 @@ def test_each_unit_is_settled_or_carried_by_one_record_whatever_the_timing(
     assembler.run_pending()
     taken += sum(ledger.take(out))
     assert taken + ledger.settled == len(arrivals) + ledger.expanded
-    assert ledger.expanded == (2 - 1) + (0 - 1)  # the batched prompt: two units; /tokenize: none
+    assert ledger.expanded == (2 - 1) + (0 - 1) + (0 - 1)  # batched: two; the others: none
     assert taken >= 2 + KEEP * 4 * 2 * 2  # the batch's calls; kept samples' rollouts' turns
 
 

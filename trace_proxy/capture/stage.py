@@ -246,6 +246,8 @@ class CaptureStage:
     def process(self, exchange: Exchange) -> None:
         kind = classify(exchange.method, exchange.path)
         if kind is RouteKind.SESSION_END:  # needs no body: kept or dropped, the session ends
+            if exchange.dropped is None:
+                self._ledger.made(0)  # nothing of its own is recorded
             self._end_session(exchange)
             return
         if exchange.dropped is not None:
