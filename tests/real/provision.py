@@ -56,6 +56,20 @@ VLLM_VENV = VenvSpec(
     remove=("torchvision", "torchaudio", "torchcodec", "triton"),
     smoke="import vllm.entrypoints.openai.api_server",
 )
+# verl's agent loop, Ray and its load balancer; cachetools, uvicorn, fastapi and transferqueue
+# are imported by verl 0.9.1 but not declared by its wheel. The proxy's own dependencies too:
+# the plugin starts trace-proxy with this venv's interpreter (the checkout on PYTHONPATH).
+VERL_VENV = VenvSpec(
+    name="verl",
+    packages=(
+        *("verl==0.9.1", "cachetools", "uvicorn", "fastapi", "transferqueue"),
+        *("aiohttp", "httptools", "orjson", "uvloop", "prometheus_client", "pyyaml"),
+    ),
+    smoke=(
+        "import verl.experimental.agent_loop, verl.trainer.ppo.v1.agent_loop_tq, "
+        "verl.workers.rollout.llm_server"
+    ),
+)
 SERVE_VENV = VenvSpec(
     name="serve",
     packages=("transformers[serving]==5.23.0",),
