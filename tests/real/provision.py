@@ -1,4 +1,5 @@
-"""Provision what the `real` tests need: a vLLM CPU venv, a `transformers serve` venv, a tiny model.
+"""Provision what the `real` tests need: a vLLM CPU venv, a `transformers serve` venv, a verl
+venv, a tiny model.
 
 The proxy's claim is byte-exact forwarding of real servers, so its tests run real vLLM and real
 `transformers serve` instead of fakes. Neither can live in the dev venv (torch, 2.5 GB, pins that
@@ -112,6 +113,7 @@ class Provisioned:
     vllm_python: Path
     serve_bin: Path  # the `transformers` CLI of the serve venv
     model_dir: Path
+    verl_python: Path
 
 
 def default_cache_dir() -> Path:
@@ -272,20 +274,23 @@ def _serve_venv_and_model(cache_dir: Path) -> tuple[Path, Path]:
 
 
 def provision(cache_dir: Path | None = None) -> Provisioned:
-    """Make sure everything exists; installs what is missing, the two venvs in parallel."""
+    """Make sure everything exists; installs what is missing, the venvs in parallel."""
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
     started = time.monotonic()
-    with _locked(cache), ThreadPoolExecutor(max_workers=2) as pool:
+    with _locked(cache), ThreadPoolExecutor(max_workers=3) as pool:
         vllm_future: Future[Path] = pool.submit(ensure_venv, cache, VLLM_VENV)
+        verl_future: Future[Path] = pool.submit(ensure_venv, cache, VERL_VENV)
         serve_future = pool.submit(_serve_venv_and_model, cache)
         serve_venv, model_dir = serve_future.result()
         vllm_venv = vllm_future.result()
+        verl_venv = verl_future.result()
     _log(f"ready in {time.monotonic() - started:.1f} s (cache: {cache})")
     return Provisioned(
         cache_dir=cache,
         vllm_python=vllm_venv / "bin" / "python",
         serve_bin=serve_venv / "bin" / "transformers",
         model_dir=model_dir,
+        verl_python=verl_venv / "bin" / "python",
     )
 
 

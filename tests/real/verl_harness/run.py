@@ -37,7 +37,7 @@ STEPS = (1, 2)
 N = 2
 
 
-def compose_config(model_dir: str, work: Path, plugin: bool) -> Any:
+def compose_config(model_dir: str, work: Path, plugin: bool, v1: bool = False) -> Any:
     import verl.trainer.config as verl_config
 
     tool_config = work / "tools.yaml"
@@ -60,7 +60,9 @@ def compose_config(model_dir: str, work: Path, plugin: bool) -> Any:
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config}",
         "trainer.project_name=verl-plugin-test",
         "trainer.experiment_name=cpu-agent-loop",
-        "trainer.use_v1=false",
+        f"trainer.use_v1={'true' if v1 else 'false'}",
+        "transfer_queue.enable=true",
+        "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
         f"reward.custom_reward_function.path={Path(__file__).with_name('reward.py')}",
         "reward.custom_reward_function.name=compute_score",
         "reward.num_workers=1",
@@ -69,7 +71,7 @@ def compose_config(model_dir: str, work: Path, plugin: bool) -> Any:
         overrides += [
             "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
             "trace_proxy.integrations.verl.AgentLoopManager",
-            f"+trace_proxy.output={work / 'traces'}",
+            f"+trace_proxy.output={work / ('traces-v1' if v1 else 'traces')}",
             "+trace_proxy.token2text=true",
         ]
     config_dir = os.path.dirname(verl_config.__file__)
@@ -107,6 +109,71 @@ def batch(step: int, validate: bool) -> Any:
     return proto
 
 
+def v1_batch(step: int, validate: bool) -> tuple[Any, list[str]]:
+    """What verl's v1 trainer hands its manager: one row per prompt, `uid`s registered in
+    TransferQueue as pending prompts, `global_steps` and `validate` as non-tensor data."""
+    import uuid
+
+    import transfer_queue as tq
+    from verl.utils import tensordict_utils as tu
+
+    texts = [*PROMPTS, TOOL_PROMPT]
+    agents = ["single_turn_agent"] * len(PROMPTS) + ["tool_agent"]
+    uids = [str(uuid.uuid4()) for _ in texts]
+    batch_dict = {
+        "raw_prompt": np.array([[{"role": "user", "content": t}] for t in texts], dtype=object),
+        "agent_name": np.array(agents, dtype=object),
+        "index": np.array(list(range(len(texts))), dtype=object),
+        "data_source": np.array(["cpu-test"] * len(texts), dtype=object),
+        "reward_model": np.array([{"ground_truth": "x"}] * len(texts), dtype=object),
+        "extra_info": np.array([{"index": i} for i in range(len(texts))], dtype=object),
+        "tools_kwargs": np.array([{} for _ in texts], dtype=object),
+        "uid": np.array(uids, dtype=object),
+    }
+    batch = tu.get_tensordict(batch_dict)
+    tu.assign_non_tensor_data(batch, "global_steps", step)
+    tu.assign_non_tensor_data(batch, "validate", validate)
+    tags = [{"is_prompt": True, "status": "pending", "global_steps": step} for _ in uids]
+    tq.kv_batch_put(keys=uids, partition_id="val" if validate else "train", tags=tags)
+    return batch, uids
+
+
+def v1_results(uids: list[str], validate: bool) -> dict[str, Any]:
+    """Wait for every prompt's sessions to finish, as verl's replay buffer does, then read
+    each session's output from TransferQueue (sample-major, session order)."""
+    import time
+
+    import transfer_queue as tq
+
+    partition = "val" if validate else "train"
+    deadline = time.monotonic() + 600
+    while True:
+        listing = tq.kv_list(partition).get(partition, {})
+        states = [(listing.get(uid) or {}).get("status") for uid in uids]
+        if all(state in ("finished", "failure") for state in states):
+            break
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"v1 sessions still running: {states}")
+        time.sleep(0.2)
+    assert all(state == "finished" for state in states), states
+    n = 1 if validate else N
+    keys = [f"{uid}_{session}_0" for uid in uids for session in range(n)]
+    fields = ["prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores",
+              "num_turns", "extra_fields"]  # fmt: skip
+    data = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=fields)
+    extra = data["extra_fields"]
+    return {
+        "prompts": [t.tolist() for t in data["prompts"].unbind(0)],
+        "responses": [t.tolist() for t in data["responses"].unbind(0)],
+        "response_mask": [t.tolist() for t in data["response_mask"].unbind(0)],
+        "rollout_log_probs": [t.tolist() for t in data["rollout_log_probs"].unbind(0)],
+        "rm_scores": [float(t.sum()) for t in data["rm_scores"].unbind(0)],
+        "num_turns": [int(x) for x in data["num_turns"].tolist()],
+        "global_steps": [int(e["min_global_steps"]) for e in extra]
+        + [int(e["max_global_steps"]) for e in extra],
+    }
+
+
 def as_json(output: Any) -> dict[str, Any]:
     tensors = output.batch
     rows = {
@@ -129,8 +196,9 @@ def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: An
     from verl.workers.rollout.router import get_router_handle
     from verl_harness.server import CpuVllmServer
 
-    plugin = mode == "plugin"
-    config = compose_config(model_dir, work, plugin)
+    plugin = mode.endswith("plugin")
+    v1 = mode.startswith("v1")
+    config = compose_config(model_dir, work, plugin, v1)
     rollout = OmegaConf.to_container(config.actor_rollout_ref.rollout, resolve=True)
     address = vllm_url.removeprefix("http://")
     server = CpuVllmServer.remote(vllm_url, rollout)
@@ -151,8 +219,18 @@ def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: An
     results: dict[str, Any] = {}
     for step in STEPS:
         ray.get(server.set_global_steps.remote(step))
-        results[f"step{step}"] = as_json(manager.generate_sequences(batch(step, False)))
-    results["validate"] = as_json(manager.generate_sequences(batch(STEPS[-1], True)))
+        if v1:
+            rows, uids = v1_batch(step, False)
+            manager.generate_sequences(rows)
+            results[f"step{step}"] = v1_results(uids, False)
+        else:
+            results[f"step{step}"] = as_json(manager.generate_sequences(batch(step, False)))
+    if v1:
+        rows, uids = v1_batch(STEPS[-1], True)
+        manager.generate_sequences(rows)
+        results["validate"] = v1_results(uids, True)
+    else:
+        results["validate"] = as_json(manager.generate_sequences(batch(STEPS[-1], True)))
     results["server_calls"] = ray.get(server.__ray_call__.remote(lambda s: s.calls))
     (work / f"batches-{mode}.json").write_text(json.dumps(results))
     launched = getattr(manager, "_trace_proxy", None)
@@ -164,12 +242,18 @@ def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: An
 
 def main() -> int:
     vllm_url, model_dir, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    modes = sys.argv[4].split(",") if len(sys.argv) > 4 else ["verl", "plugin"]
+    default = ["verl", "plugin", "v1-verl", "v1-plugin"]
+    modes = sys.argv[4].split(",") if len(sys.argv) > 4 else default
     paths = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": paths})
     from verl.experimental.reward_loop import RewardLoopManager
 
-    rewards = RewardLoopManager(compose_config(model_dir, work, False), rm_resource_pool=None)
+    config = compose_config(model_dir, work, False)
+    rewards = RewardLoopManager(config, rm_resource_pool=None)
+    if any(mode.startswith("v1") for mode in modes):
+        import transfer_queue as tq
+
+        tq.init(config.transfer_queue)
     for mode in modes:
         run(mode, vllm_url, model_dir, work, rewards.reward_loop_worker_handles)
     ray.shutdown()

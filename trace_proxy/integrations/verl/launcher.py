@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import os
 import re
 import secrets
@@ -52,6 +53,13 @@ class LaunchedProxy:
                 self.process.wait()
 
 
+def _end_with_parent() -> None:
+    """In the child: SIGTERM when the process that started it dies (Linux), so a trainer
+    killed without running its exit handlers does not leave the proxy behind."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def launch(args: list[str], timeout: float) -> LaunchedProxy:
     """Start `trace-proxy serve` and wait until /ready; ProxyStartError with its output if not."""
     token = secrets.token_urlsafe(32)
@@ -64,6 +72,7 @@ def launch(args: list[str], timeout: float) -> LaunchedProxy:
         stderr=subprocess.STDOUT,
         text=True,
         env={**os.environ, TOKEN_ENV: token},  # never on the command line, where ps shows it
+        preexec_fn=_end_with_parent if sys.platform == "linux" else None,
     )
     assert process.stdout is not None
     lines: list[str] = []
