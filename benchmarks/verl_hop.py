@@ -104,6 +104,10 @@ async def measure(paths: dict[str, Any], calls: int, concurrencies: list[int]) -
         (own_p50, own_p99), (hop_p50, hop_p99) = results.values()
         print(f"| {concurrency} | added by the plugin | {hop_p50 - own_p50:+.2f} | "
               f"{hop_p99 - own_p99:+.2f} |", flush=True)  # fmt: skip
+    for client in paths.values():
+        link = getattr(client, "_trace_proxy_link", None)
+        if link is not None and link._session is not None:
+            await link._session.close()
 
 
 def main() -> int:

@@ -206,3 +206,29 @@ async def test_an_unreachable_proxy_is_reported_not_raised_as_a_server_error() -
     assert link.fallbacks["close_unreachable"] == 1
     if link._session is not None:
         await link._session.close()
+
+
+def test_without_verl_the_plugin_says_so_at_start() -> None:
+    import importlib.util
+
+    from trace_proxy.integrations.verl import AgentLoopManager
+    from trace_proxy.integrations.verl.manager import UnsupportedVerl
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed here; its version check runs in tests/real")
+    with pytest.raises(UnsupportedVerl, match="verl is not installed"):
+        AgentLoopManager.create(config={}, llm_client=None)
+
+
+def test_the_core_never_imports_verl_or_the_integration() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trace_proxy.cli, trace_proxy.proxy.service, trace_proxy.capture.recorder;"
+        "import trace_proxy.integrations.verl;"  # the class path verl loads: still no verl
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'ray', 'torch')"
+        " or m.startswith('trace_proxy.integrations.verl.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

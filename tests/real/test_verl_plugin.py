@@ -8,7 +8,8 @@ manager class loaded by verl's `load_class_from_fqn` from
 real agent-loop workers (single-turn and tool agent loops, n = 2), load balancer, LLM client
 and reward-loop workers (a custom reward function), two training steps and a validation pass.
 The same is done for verl's default (v1) trainer's manager, `AgentLoopManagerTQ`: one row per
-prompt, n sessions, outputs read back from TransferQueue as its replay buffer reads them.
+prompt, n sessions, outputs read back from TransferQueue as its replay buffer reads them; its
+plugin manager uses the first one's proxy by URL, as with a sidecar.
 The one stand-in is verl's GPU server actor (`verl_harness/server.py`), which asks the real
 vLLM CPU server token-in/token-out. The same batches are generated twice, by verl's own
 manager and through the plugin (which starts its own trace-proxy), and compared.
@@ -35,12 +36,14 @@ N = 2
 TOOL_SAMPLE = 3
 
 
-def _records(store: Path) -> list[dict[str, Any]]:
+def _records(work: Path, trainer: str) -> list[dict[str, Any]]:
+    """The trajectories of one trainer's run: both runs share the proxy the first started."""
+    experiment = "cpu-agent-loop" + ("-v1" if trainer else "")
     found = []
-    for path in sorted(store.rglob("*.jsonl")):
+    for path in sorted((work / "traces").rglob("*.jsonl")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
-            if record.get("record") == "trajectory":
+            if record.get("record") == "trajectory" and record["key"]["experiment"] == experiment:
                 found.append(record)
     return found
 
@@ -89,7 +92,7 @@ def test_batches_equal_verls_own(verl_run: Path, trainer: str) -> None:
 @TRAINERS
 def test_store_holds_every_rollout_with_verls_numbers(verl_run: Path, trainer: str) -> None:
     traced = json.loads((verl_run / f"batches-{trainer}plugin.json").read_text())
-    records = _records(verl_run / f"traces{'-v1' if trainer else ''}")
+    records = _records(verl_run, trainer)
     vllm_url = (verl_run / "vllm-url").read_text()
     keys = sorted(
         (r["key"]["step"], r["key"]["validate"], r["key"]["sample_index"], r["key"]["rollout_n"])
@@ -104,7 +107,6 @@ def test_store_holds_every_rollout_with_verls_numbers(verl_run: Path, trainer: s
     for record in records:
         key = record["key"]
         assert key["project"] == "verl-plugin-test"
-        assert key["experiment"] == "cpu-agent-loop"
         for field in ("step", "sample_index", "rollout_n", "validate", "trajectory_id"):
             assert key["sources"][field].startswith("header:X-Rollout-"), field
         assert record["close_reason"] == "done"  # closed when verl's agent-loop run ended
@@ -121,8 +123,7 @@ def test_store_holds_every_rollout_with_verls_numbers(verl_run: Path, trainer: s
 
 @TRAINERS
 def test_tool_turns_are_tool_spans(verl_run: Path, trainer: str) -> None:
-    store = verl_run / f"traces{'-v1' if trainer else ''}"
-    records = [r for r in _records(store) if r["key"]["sample_index"] == TOOL_SAMPLE]
+    records = [r for r in _records(verl_run, trainer) if r["key"]["sample_index"] == TOOL_SAMPLE]
     assert records
     for record in records:
         assert len(record["calls"]) == 2  # the call that asked for the tool, and the next turn
@@ -132,5 +133,5 @@ def test_tool_turns_are_tool_spans(verl_run: Path, trainer: str) -> None:
         assert "3 words" in tool["result"]  # what verl's tool returned, seen in the next prompt
         assert record["calls"][0]["end"] <= tool["start"] <= tool["end"]
         assert tool["end"] <= record["calls"][1]["start"]
-    single = [r for r in _records(store) if r["key"]["sample_index"] != TOOL_SAMPLE]
+    single = [r for r in _records(verl_run, trainer) if r["key"]["sample_index"] != TOOL_SAMPLE]
     assert all(len(r["calls"]) == 1 and not r["tools"] for r in single)

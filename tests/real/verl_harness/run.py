@@ -13,8 +13,10 @@ stand-in (server.py), in front of the real vLLM CPU server.
 
     python -m verl_harness.run VLLM_URL MODEL_DIR WORK_DIR
 
-writes WORK_DIR/batches-<mode>.json for mode `verl` (verl's manager) and `plugin` (verl's
-manager through trace-proxy), and the plugin's proxy writes its store to WORK_DIR/traces.
+writes WORK_DIR/batches-<mode>.json for modes `verl` and `v1-verl` (verl's legacy and v1
+managers) and `plugin` and `v1-plugin` (the same through the plugin: the first starts its
+trace-proxy, the second uses that one by URL, as a sidecar), and the proxy writes its store to
+WORK_DIR/traces (experiments `cpu-agent-loop` and `cpu-agent-loop-v1`).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +40,9 @@ STEPS = (1, 2)
 N = 2
 
 
-def compose_config(model_dir: str, work: Path, plugin: bool, v1: bool = False) -> Any:
+def compose_config(
+    model_dir: str, work: Path, plugin: bool, v1: bool = False, sidecar: Any = None
+) -> Any:
     import verl.trainer.config as verl_config
 
     tool_config = work / "tools.yaml"
@@ -59,7 +64,7 @@ def compose_config(model_dir: str, work: Path, plugin: bool, v1: bool = False) -
         "actor_rollout_ref.rollout.multi_turn.max_assistant_turns=2",
         f"actor_rollout_ref.rollout.multi_turn.tool_config_path={tool_config}",
         "trainer.project_name=verl-plugin-test",
-        "trainer.experiment_name=cpu-agent-loop",
+        f"trainer.experiment_name=cpu-agent-loop{'-v1' if v1 else ''}",
         f"trainer.use_v1={'true' if v1 else 'false'}",
         "transfer_queue.enable=true",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
@@ -71,9 +76,13 @@ def compose_config(model_dir: str, work: Path, plugin: bool, v1: bool = False) -
         overrides += [
             "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
             "trace_proxy.integrations.verl.AgentLoopManager",
-            f"+trace_proxy.output={work / ('traces-v1' if v1 else 'traces')}",
-            "+trace_proxy.token2text=true",
         ]
+        if sidecar is None:
+            overrides += [f"+trace_proxy.output={work / 'traces'}", "+trace_proxy.token2text=true"]
+        else:
+            os.environ["TRACE_PROXY_ADMIN_TOKEN"] = sidecar.admin_token
+            overrides += [f"+trace_proxy.url={sidecar.proxy_url}",
+                          f"+trace_proxy.admin_url={sidecar.admin_url}"]  # fmt: skip
     config_dir = os.path.dirname(verl_config.__file__)
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
@@ -161,17 +170,22 @@ def v1_results(uids: list[str], validate: bool) -> dict[str, Any]:
     fields = ["prompts", "responses", "response_mask", "rollout_log_probs", "rm_scores",
               "num_turns", "extra_fields"]  # fmt: skip
     data = tq.kv_batch_get(keys=keys, partition_id=partition, select_fields=fields)
-    extra = data["extra_fields"]
+    extra = _values(data["extra_fields"])
     return {
         "prompts": [t.tolist() for t in data["prompts"].unbind(0)],
         "responses": [t.tolist() for t in data["responses"].unbind(0)],
         "response_mask": [t.tolist() for t in data["response_mask"].unbind(0)],
         "rollout_log_probs": [t.tolist() for t in data["rollout_log_probs"].unbind(0)],
         "rm_scores": [float(t.sum()) for t in data["rm_scores"].unbind(0)],
-        "num_turns": [int(x) for x in data["num_turns"].tolist()],
+        "num_turns": [int(x) for x in _values(data["num_turns"])],
         "global_steps": [int(e["min_global_steps"]) for e in extra]
         + [int(e["max_global_steps"]) for e in extra],
     }
+
+
+def _values(stacked: Any) -> list[Any]:
+    """A non-tensor field read back from TransferQueue, as a list."""
+    return stacked.tolist() if hasattr(stacked, "tolist") else list(stacked)
 
 
 def as_json(output: Any) -> dict[str, Any]:
@@ -190,7 +204,17 @@ def as_json(output: Any) -> dict[str, Any]:
     return rows
 
 
-def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: Any) -> None:
+@dataclass
+class Built:
+    mode: str
+    manager: Any
+    server: Any
+
+
+def build(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: Any,
+          sidecar: Any = None) -> Built:  # fmt: skip
+    """One manager as verl's trainer builds it. `sidecar`: a running proxy (the one the first
+    plugin manager started) that this one uses by URL instead of starting its own."""
     from verl.utils.import_utils import load_class_from_fqn
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
@@ -198,7 +222,7 @@ def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: An
 
     plugin = mode.endswith("plugin")
     v1 = mode.startswith("v1")
-    config = compose_config(model_dir, work, plugin, v1)
+    config = compose_config(model_dir, work, plugin, v1, sidecar)
     rollout = OmegaConf.to_container(config.actor_rollout_ref.rollout, resolve=True)
     address = vllm_url.removeprefix("http://")
     server = CpuVllmServer.remote(vllm_url, rollout)
@@ -206,8 +230,10 @@ def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: An
                                  full_determinism=False, load_balancer_cls=None)  # fmt: skip
     client = LLMServerClient(config=config, load_balancer_handle=balancer)
     fqn = config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
-    if fqn:
+    if fqn:  # as verl's trainers do: main_ppo.py (v1), ray_trainer.py (legacy)
         manager_cls = load_class_from_fqn(fqn, "AgentLoopManager")
+    elif v1:
+        from verl.trainer.ppo.v1 import AgentLoopManagerTQ as manager_cls
     else:
         from verl.experimental.agent_loop import AgentLoopManager as manager_cls
     manager = manager_cls.create(
@@ -216,6 +242,12 @@ def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: An
         teacher_client=None,
         reward_loop_worker_handles=reward_workers,
     )
+    return Built(mode, manager, server)
+
+
+def run(built: Built, work: Path) -> None:
+    """Two training steps and a validation pass, as the trainer hands them to the manager."""
+    manager, server, v1 = built.manager, built.server, built.mode.startswith("v1")
     results: dict[str, Any] = {}
     for step in STEPS:
         ray.get(server.set_global_steps.remote(step))
@@ -232,12 +264,7 @@ def run(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: An
     else:
         results["validate"] = as_json(manager.generate_sequences(batch(STEPS[-1], True)))
     results["server_calls"] = ray.get(server.__ray_call__.remote(lambda s: s.calls))
-    (work / f"batches-{mode}.json").write_text(json.dumps(results))
-    launched = getattr(manager, "_trace_proxy", None)
-    if launched is not None:
-        launched.stop()  # drains: every record is in the store when this returns
-    for actor in manager.agent_loop_workers:
-        ray.kill(actor)
+    (work / f"batches-{built.mode}.json").write_text(json.dumps(results))
 
 
 def main() -> int:
@@ -254,8 +281,18 @@ def main() -> int:
         import transfer_queue as tq
 
         tq.init(config.transfer_queue)
+    # Every manager first, so that their workers start at once; the second plugin manager
+    # uses the proxy the first one started, by URL, as a sidecar is used.
+    built: list[Built] = []
+    started = None
     for mode in modes:
-        run(mode, vllm_url, model_dir, work, rewards.reward_loop_worker_handles)
+        built.append(build(mode, vllm_url, model_dir, work, rewards.reward_loop_worker_handles,
+                           started if mode.endswith("plugin") else None))  # fmt: skip
+        started = started or getattr(built[-1].manager, "_trace_proxy", None)
+    for each in built:
+        run(each, work)
+    if started is not None:
+        started.stop()  # drains: every record is in the store when this returns
     ray.shutdown()
     return 0
 
