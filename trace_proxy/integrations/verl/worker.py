@@ -8,6 +8,7 @@ and the only place that sees the run end. `_compute_score` sees the reward verl 
 
 from __future__ import annotations
 
+import copy
 import uuid
 from typing import Any
 
@@ -24,7 +25,7 @@ def without_verl_trace(config: Any) -> Any:
     trace = OmegaConf.select(config, "actor_rollout_ref.rollout.trace")
     if trace is None or not trace.get("backend"):
         return config
-    copied = config.copy()
+    copied = copy.deepcopy(config)  # the trainer's own config is left as it is
     with open_dict(copied):
         copied.actor_rollout_ref.rollout.trace.backend = None
     return copied
