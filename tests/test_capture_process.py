@@ -256,12 +256,12 @@ async def sampled_rollouts(
     ):
         capture = service.recorder
         for turn in range(3):
-            before = capture._sent if isinstance(capture, CaptureProcess) else 0
+            before = capture.bodies_sent if isinstance(capture, CaptureProcess) else 0
             for sample in range(8):
                 await chat(session, proxy, 1, sample, done=turn == 2)
             await service.flush()  # what the sampler refused so far is known to the proxy
             if isinstance(capture, CaptureProcess):
-                sent.append(capture._sent - before)
+                sent.append(capture.bodies_sent - before)
         await chat(session, proxy, 2, 0)
     summaries = [r for _, r in iter_records(output) if r.get("record") == "step_summary"]
     return trajectories(output), summaries, sent

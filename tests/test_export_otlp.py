@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -33,7 +33,13 @@ from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.exporters.jsonl import JsonlExporter
-from trace_proxy.exporters.otlp import OtlpExporter, OtlpExportError, create, parse_headers
+from trace_proxy.exporters.otlp import (
+    REJECTED_STATUSES,
+    OtlpExporter,
+    OtlpExportError,
+    create,
+    parse_headers,
+)
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.show import iter_records
 from trace_proxy.trajectories.prompts import share_prefixes
@@ -379,8 +385,12 @@ class Received:
 
 
 @contextlib.asynccontextmanager
-async def receiver(statuses: list[int] | None = None) -> AsyncIterator[tuple[str, list[Received]]]:
-    """A local OTLP/HTTP traces endpoint; answers the given statuses in turn, then 200."""
+async def receiver(
+    statuses: list[int] | None = None,
+    refuse: Callable[[ExportTraceServiceRequest], int | None] | None = None,
+) -> AsyncIterator[tuple[str, list[Received]]]:
+    """A local OTLP/HTTP traces endpoint; answers the given statuses in turn, then 200 (or
+    what `refuse` says of a request, when it says something)."""
     statuses = list(statuses or [])
     received: list[Received] = []
 
@@ -388,7 +398,8 @@ async def receiver(statuses: list[int] | None = None) -> AsyncIterator[tuple[str
         assert request.path == "/v1/traces" and request.method == "POST"
         assert request.content_type == "application/x-protobuf"
         decoded = ExportTraceServiceRequest.FromString(await request.read())
-        status = statuses.pop(0) if statuses else 200
+        refused = refuse(decoded) if refuse is not None else None
+        status = statuses.pop(0) if statuses else refused or 200
         received.append(Received({k.lower(): v for k, v in request.headers.items()}, decoded,
                                  status))  # fmt: skip
         if status != 200:
@@ -502,6 +513,39 @@ async def test_the_pipeline_retries_and_nothing_arrives_twice(
     assert sample("trace_proxy_export_retries_total", {"backend": "otlp"}) == 1
     exported = sample("trace_proxy_exported_records_total", {"backend": "otlp"})
     assert exported == len(recorded.records)  # summaries count too: handled, by skipping
+
+
+@pytest.mark.parametrize("status", REJECTED_STATUSES)
+async def test_a_record_the_receiver_refuses_for_good_is_dropped_and_counted_not_retried(
+    recorded: Recorded, tmp_path: Path, status: int
+) -> None:
+    """A receiver that cannot take one trajectory's spans (bad request, too large, invalid)
+    would refuse it on every retry, and every record behind it would wait in the spool: that
+    record is dropped and counted as rejected, the others arrive once each."""
+    traces = [r for r in recorded.records if isinstance(r, Trajectory)]
+    poison = int(traces[1].id, 16)
+
+    def refuse(request: ExportTraceServiceRequest) -> int | None:
+        ids = {_int(s.trace_id) for rs in request.resource_spans for ss in rs.scope_spans
+               for s in ss.spans}  # fmt: skip
+        return status if poison in ids else None
+
+    async with receiver(refuse=refuse) as (url, received):
+        exporter = OtlpExporter(url, {})
+        pipeline, metrics = inline_pipeline(tmp_path, [exporter])
+        await pipeline.start()
+        for record in recorded.records:
+            pipeline.submit(record)
+        await asyncio.wait_for(pipeline.flush(), 60)
+        await pipeline.close()
+    arrived = {trace for trace, _ in wire_spans(received)}  # each span once, or it fails
+    kept = {int(t.id, 16) for t in traces} - {poison}
+    assert kept <= arrived and poison not in arrived
+    traced = [r for r in recorded.records if not isinstance(r, StepSummary | Annotation)]
+    assert len(arrived) == len(traced) - 1  # the events too
+    sample = metrics.registry.get_sample_value
+    dropped = sample("trace_proxy_export_dropped_total", {"backend": "otlp", "reason": "rejected"})
+    assert dropped == 1
 
 
 def test_headers_are_name_value_pairs() -> None:

@@ -17,6 +17,7 @@ from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.config import ConfigError
 from trace_proxy.exporters.process import ExportProcess
+from trace_proxy.show import iter_records
 
 
 async def rollouts(session: aiohttp.ClientSession, proxy: str, step: int, count: int) -> None:
@@ -79,6 +80,11 @@ async def test_records_go_out_through_the_export_process_and_it_is_replaced_when
             "trace_proxy_export_process_restarts_total"
         )
         assert restarts == 1
+        # What the killed process counted is kept: the counter never falls back.
+        exported = service.metrics.registry.get_sample_value(
+            "trace_proxy_exported_records_total", {"backend": "jsonl"}
+        )
+        assert exported == len(list(iter_records(tmp_path)))  # trajectories, step summaries
     assert keys(tmp_path) == [(step, i) for step in (1, 2) for i in range(5)]  # once each
 
 

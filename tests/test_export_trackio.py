@@ -409,6 +409,37 @@ async def test_hostile_project_and_experiment_names_stay_in_the_trackio_director
         assert trace["metadata"]["experiment_name"] == experiment
 
 
+async def test_a_project_name_trackio_refuses_is_counted_as_rejected_not_exported(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path, project: str, trackio_dir: Path
+) -> None:
+    """trackio reserves some project names (`registry-*`, a suffix of its own tables): those
+    records are dropped and counted as rejected, the others of the same batch still go out."""
+    _, upstream = fake_vllm
+    body = {"model": "tiny-qwen", "prompt": "Hi", "max_tokens": 2}
+    names = [project, f"registry-{project}", f"{project}_traces", project]
+    async with running(upstream, tmp_path / "out", project, trackio_dir) as (service, proxy):
+        async with aiohttp.ClientSession() as session:
+            for number, name in enumerate(names):
+                headers = {
+                    "X-Rollout-Project": name,
+                    "X-Rollout-Step": "1",
+                    "X-Rollout-Done": "true",
+                    "X-Rollout-Trajectory-Id": f"t{number}",
+                }
+                async with session.post(proxy + "/v1/completions", json=body,
+                                        headers=headers) as response:  # fmt: skip
+                    assert response.status == 200
+        await service.flush()
+        sample = service.metrics.registry.get_sample_value
+        rejected = sample("trace_proxy_export_dropped_total",
+                          {"backend": "trackio", "reason": "rejected"})  # fmt: skip
+        exported = sample("trace_proxy_exported_records_total", {"backend": "trackio"})
+    assert rejected == 2
+    assert exported == 2  # the two of the project trackio takes, and nothing else
+    ids = {t["metadata"]["trajectory_id"] for t in traces(store_name(project), "default")}
+    assert ids == {"t0", "t3"}
+
+
 def test_one_trackio_directory_per_process(trackio_dir: Path, tmp_path: Path) -> None:
     TrackioExporter("p", trackio_dir).close()
     with pytest.raises(RuntimeError, match="reads TRACKIO_DIR"):

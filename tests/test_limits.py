@@ -217,6 +217,36 @@ async def test_a_head_over_the_limits_is_431_and_not_forwarded(
     assert "aaaa" not in caplog.text
 
 
+async def test_requests_that_are_not_http_are_400_counted_and_logged_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A hostile or broken client must not fill the log: no traceback per bad request, one
+    line for the kind, every one counted; nothing reaches the upstream."""
+    upstream = Upstream()
+    caplog.set_level(logging.DEBUG)
+    bad = [
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    ] * 3
+    async with (
+        scripted_upstream(upstream.handle) as up,
+        running_proxy([up], tmp_path, **FAST) as (service, proxy),
+    ):
+        for request in bad:
+            reader, writer = await asyncio.open_connection(*host_port(proxy))
+            writer.write(request)
+            answer = await read_until_closed(reader)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 400 ") or answer.startswith(b"HTTP/1.0 400 ")
+            assert b"abc" not in answer and b"Bad Header" not in answer
+        assert metric(service.metrics, "trace_proxy_client_rejected_total",
+                      reason="bad_request") == len(bad)  # fmt: skip
+    assert upstream.bodies == []
+    assert "Traceback" not in caplog.text
+    assert len([r for r in caplog.records if "not valid HTTP/1.1" in r.getMessage()]) == 1
+
+
 async def test_the_default_head_limits_are_aiohttps(tmp_path: Path) -> None:
     """8190 bytes a line and 128 lines, as before the options existed."""
     upstream = Upstream()

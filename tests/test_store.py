@@ -155,3 +155,33 @@ def test_show_prints_no_control_characters_from_records(tmp_path: Path) -> None:
 
 def test_show_on_a_missing_directory(tmp_path: Path) -> None:
     assert show(tmp_path / "nope", out=io.StringIO()) == 1
+
+
+def test_show_reads_several_stores_as_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One store per replica (each sidecar writes its own): the same experiment's trajectories
+    come out together, in step and sample order across the stores, from the command line too."""
+    replicas = [tmp_path / "replica-0", tmp_path / "replica-1"]
+    for replica, samples in zip(replicas, ([0, 2], [1, 3]), strict=True):
+        store = JsonlExporter(replica)
+        store.export([trajectory(step, sample) for step in (2, 1) for sample in samples])
+        store.close()
+    from trace_proxy.cli import main
+
+    assert main(["show", *map(str, replicas)]) == 0
+    text = capsys.readouterr().out
+    headers = [line for line in text.splitlines() if line.startswith("== ")]
+    order = [(h.split(" · ")[1], h.split(" · ")[2]) for h in headers]
+    expected = [(f"step {step}", f"sample {s}") for step in (1, 2) for s in range(4)]
+    assert order == expected
+    assert text.strip().endswith(
+        f"8 trajectories, 0 step events under {replicas[0]}, {replicas[1]}"
+    )
+
+
+def test_show_names_the_missing_one_of_several_stores(tmp_path: Path) -> None:
+    store = JsonlExporter(tmp_path / "a")
+    store.export([trajectory(1, 0)])
+    store.close()
+    assert show([tmp_path / "a", tmp_path / "nope"], out=io.StringIO()) == 1

@@ -1,4 +1,4 @@
-"""`trace-proxy serve | demo | show`: the command line, assembled from the declared options."""
+"""`trace-proxy serve | demo | show | ui`: the command line, assembled from the declared options."""
 
 from __future__ import annotations
 
@@ -49,11 +49,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=2, help="training steps [default: 2]")
 
     show = commands.add_parser("show", help="print stored trajectories readably")
-    show.add_argument("directory", help="the --output directory of serve or demo")
+    show.add_argument(
+        "directory",
+        nargs="+",
+        help="the --output directory of serve or demo; "
+        "several (one per replica) are read as one store",
+    )
     show.add_argument("--step", type=int, help="only this step")
     show.add_argument("--experiment", help="only this experiment")
     show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
     show.add_argument("--width", type=int, default=100, help="characters of text per call line")
+
+    from trace_proxy.ui.command import add_ui_command
+
+    add_ui_command(commands)
     return parser
 
 
@@ -61,6 +70,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = vars(parser.parse_args(argv))
     command = args.pop("command")
+    if command == "ui":
+        from trace_proxy.ui.command import run_ui_command
+
+        return run_ui_command(args)
     if command == "show":
         from trace_proxy.show import show
 

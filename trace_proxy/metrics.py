@@ -8,7 +8,7 @@ the process above them, which relays them; `exposition` merges what several repo
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from prometheus_client import (
@@ -72,7 +72,8 @@ class Metrics:
         self.client_rejected = Counter(
             "trace_proxy_client_rejected",
             "Requests refused or cut off because of the client, by reason (header_timeout and "
-            "body_timeout: 408; header_too_large: 431); none of them reached an upstream whole",
+            "body_timeout: 408; header_too_large: 431; bad_request: 400); none of them reached an "
+            "upstream whole",
             ["reason"],
             registry=r,
         )
@@ -245,14 +246,33 @@ class ExportMetrics:
         )
 
 
+# Kinds whose samples only grow while a process lives: what a dead one counted still happened.
+_CUMULATIVE = frozenset({"counter", "histogram"})
+
+
 class RelayedMetrics(Collector):
-    """Serves the latest samples another process sent (its registry in the text format)."""
+    """Serves the latest samples another process sent (its registry in the text format), plus
+    the counts of the processes it replaced: a helper that is killed and started again begins
+    at zero, but what it counted happened (and a Prometheus counter must not fall)."""
 
     def __init__(self) -> None:
         self.text = ""
+        self._carried: dict[str, Metric] = {}
+
+    def retire(self) -> None:
+        """The process that sent `text` is gone: keep its counters and histograms, forget its
+        gauges (they described its state)."""
+        self._carried = {f.name: f for f in self._merged() if f.type in _CUMULATIVE}
+        self.text = ""
 
     def collect(self) -> Iterator[Metric]:
-        yield from text_string_to_metric_families(self.text)
+        yield from self._merged()
+
+    def _merged(self) -> list[Metric]:
+        current = list(text_string_to_metric_families(self.text))
+        if not self._carried:
+            return current
+        return _add_families([*self._carried.values(), *current])
 
     def describe(self) -> list[Metric]:
         return []  # names are not known in advance: never checked for duplicates
@@ -270,9 +290,16 @@ def exposition(registry: CollectorRegistry) -> bytes:
     """The text format of `registry`, with the families that several processes report (the
     forwarder's and the capture process's `trace_proxy_capture_dropped`, say) merged: samples of
     the same name and labels add up."""
+    out = CollectorRegistry()
+    out.register(_Families(_add_families(registry.collect())))
+    return generate_latest(out)
+
+
+def _add_families(collected: Iterable[Metric]) -> list[Metric]:
+    """Families of the same name made one, their samples of the same name and labels added."""
     families: dict[str, Metric] = {}
     samples: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], Sample]] = {}
-    for family in registry.collect():
+    for family in collected:
         if family.name not in families:
             families[family.name] = Metric(
                 family.name, family.documentation, family.type, family.unit
@@ -288,6 +315,4 @@ def exposition(registry: CollectorRegistry) -> bytes:
                 merged[key] = seen._replace(value=seen.value + sample.value)
     for name, family in families.items():
         family.samples = list(samples[name].values())
-    out = CollectorRegistry()
-    out.register(_Families(list(families.values())))
-    return generate_latest(out)
+    return list(families.values())

@@ -2,6 +2,8 @@
 
 One header line per trajectory (its key, status, size, duration), then one line per call: what
 was asked (the newest message, or decoded prompt text) and what came back (text, tool calls).
+Several stores (one per replica, each sidecar writing its own) read as one: the records of the
+same project and experiment are shown together, ordered by step and sample across the stores.
 
 Nearly every string of a record came from a request or a response (names, ids, models, routes,
 tool calls, error messages, labels), so every line goes through `printable` on its way out:
@@ -11,7 +13,7 @@ an escape sequence in a project name is shown as `\x1b[...`, never acted on by t
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -26,31 +28,40 @@ def iter_records(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     A torn last line (a crash mid-write) is skipped: only newline-terminated lines count.
     """
     for path in sorted(directory.rglob("*.jsonl")):
-        data = path.read_bytes()
-        for line in data.split(b"\n")[:-1]:
-            if line.strip():
-                yield path, orjson.loads(line)
+        yield from _read_records(path)
+
+
+def _read_records(path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    data = path.read_bytes()
+    for line in data.split(b"\n")[:-1]:
+        if line.strip():
+            yield path, orjson.loads(line)
 
 
 def show(
-    directory: str | Path,
+    directories: str | Path | Sequence[str | Path],
     *,
     step: int | None = None,
     experiment: str | None = None,
     limit: int | None = None,
     width: int = 100,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> int:
-    root = Path(directory)
-    if not root.is_dir():
-        print(f"trace-proxy: error: {printable(str(root))} is not a directory", file=sys.stderr)
-        return 1
+    stream = sys.stdout if out is None else out  # the stdout of the moment, not of import
+    if isinstance(directories, (str, Path)):
+        directories = [directories]
+    roots = [Path(directory) for directory in directories]
+    for root in roots:
+        if not root.is_dir():
+            print(f"trace-proxy: error: {printable(str(root))} is not a directory",
+                  file=sys.stderr)  # fmt: skip
+            return 1
 
     def write(line: str) -> None:
-        out.write(printable(line) + "\n")
+        stream.write(printable(line) + "\n")
 
     shown = events = 0
-    for records in _by_experiment(root):
+    for records in _by_experiment(roots):
         for line in _apply_annotations(records):
             write(line)
         for record in _ordered(records):
@@ -84,22 +95,29 @@ def show(
                 for tool in tools_after.get(call.get("index"), []):
                     write(_tool_line(tool, width))
             shown += 1
-    write(f"{shown} trajectories, {events} step events under {root}")
+    write(f"{shown} trajectories, {events} step events under {', '.join(map(str, roots))}")
     return 0
 
 
-def _by_experiment(root: Path) -> Iterator[list[dict[str, Any]]]:
-    """Records grouped by the directory (project/experiment) they are stored in."""
-    current: Path | None = None
-    group: list[dict[str, Any]] = []
-    for path, record in iter_records(root):
-        if path.parent != current and group:
+def _by_experiment(roots: Sequence[Path]) -> Iterator[list[dict[str, Any]]]:
+    """Records grouped by the directory (project/experiment) they are stored in, relative to
+    their store: the same experiment's directories in several stores make one group."""
+    groups: dict[Path, list[Path]] = {}
+    for root in roots:
+        for directory in sorted({path.parent for path in root.rglob("*.jsonl")}):
+            groups.setdefault(directory.relative_to(root), []).append(directory)
+    for relative in sorted(groups):
+        group: list[dict[str, Any]] = []
+        for directory in groups[relative]:
+            group.extend(record for _, record in _records_in(directory))
+        if group:
             yield group
-            group = []
-        current = path.parent
-        group.append(record)
-    if group:
-        yield group
+
+
+def _records_in(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The records of one experiment directory's own files (not of directories below it)."""
+    for path in sorted(directory.glob("*.jsonl")):
+        yield from _read_records(path)
 
 
 def _apply_annotations(records: list[dict[str, Any]]) -> list[str]:

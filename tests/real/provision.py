@@ -253,7 +253,7 @@ def ensure_model(cache_dir: Path, serve_venv: Path) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(cache_dir: Path) -> Iterator[None]:
+def locked(cache_dir: Path) -> Iterator[None]:
     """Serialise provisioning across processes (e.g. two pytest sessions) on one cache dir."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     with (cache_dir / ".provision.lock").open("w") as lock:
@@ -277,7 +277,7 @@ def provision(cache_dir: Path | None = None) -> Provisioned:
     """Make sure everything exists; installs what is missing, the venvs in parallel."""
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
     started = time.monotonic()
-    with _locked(cache), ThreadPoolExecutor(max_workers=3) as pool:
+    with locked(cache), ThreadPoolExecutor(max_workers=3) as pool:
         vllm_future: Future[Path] = pool.submit(ensure_venv, cache, VLLM_VENV)
         verl_future: Future[Path] = pool.submit(ensure_venv, cache, VERL_VENV)
         serve_future = pool.submit(_serve_venv_and_model, cache)

@@ -16,8 +16,9 @@ heads without bodies (`exchange.REFUSED` marks): the child counts them as before
 Backpressure: the child reads only while its own queue has room, so a backlog stays in the
 forwarder's socket buffer, which is bounded: past half of `--capture-queue-bytes` new
 exchanges are dropped and counted (`capture_queue_bytes`); the child's queue holds the other
-half. If the child dies, the exchanges in transit, in its queue and in its open trajectories
-are lost (counted, at most, as `capture_process_lost`; logged) and another child starts.
+half. If the child dies, another starts; what the dead one held (in transit, queued, in open
+trajectories or not yet spooled) is lost and counted exactly, once the new one has opened the
+spool (`capture_process_lost`, logged; see `ledger.py`).
 
 Start-up: the forwarder writes to the socket from the moment the child is spawned; the child
 reads once it is up (a second or so), and says `ready` before its spool and its export process
@@ -26,8 +27,9 @@ after that (a tokenizer, a backend, a spool held by another proxy) comes as `fat
 
 Messages to the child are frames (`wire.py`): exchanges, and control messages `annotate`,
 `flush`, `hurry` (shutdown has begun), `stop`. From it, JSON lines: `ready` or `error`,
-`status` (metrics text, open trajectories, exchanges received, readiness checks, and at the end
-the spool's backlog), `fatal`, `discovered`, `annotated`, `flushed`, `stopped`.
+`status` (metrics text, open trajectories, its ledger and how far the spool is written,
+readiness checks, and at the end the spool's backlog), `spooling` (what a batch about to be
+written carries), `fatal`, `discovered`, `annotated`, `flushed`, `stopped`.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import orjson
 from prometheus_client import generate_latest
 
 from trace_proxy.capture.exchange import MARKS_BYTES, REFUSED, Exchange, dropped_mark
+from trace_proxy.capture.ledger import Custody, Unsettled
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver, parse_mapping
 from trace_proxy.capture.recorder import Recorder
 from trace_proxy.capture.routes import RouteKind, classify
@@ -81,9 +84,9 @@ class CaptureProcess(Helper):
         self._relayed = RelayedMetrics()
         metrics.registry.register(self._relayed)
         self._backends = list(dict.fromkeys(settings.backend))
-        self._sent = 0  # exchanges written to the current child
-        self._received = 0  # exchanges the current child said it has read
-        self._held = 0  # of those, the ones not yet in a closed trajectory
+        self._custody = Custody()  # what the current child was sent, and where it is
+        self.bodies_sent = 0  # exchanges sent whole (a refused sample's calls go as heads)
+        self._unsettled: Unsettled | None = None  # a dead child's, until the spool is opened
         self.open_count = 0
         self.generation = 0  # capture processes started so far
         self._ids = itertools.count()
@@ -117,6 +120,7 @@ class CaptureProcess(Helper):
         if (self._refused or self._refuses_alone) and self._refuses(exchange):
             if buffered < self._max_buffered + MARKS_BYTES:
                 self._queue(encode_exchange(dropped_mark(exchange, REFUSED)))
+                self._custody.sent += 1  # settled by the child as it counts the refusal
             else:  # counted where the child would have counted it
                 self._metrics.capture_dropped.labels("sampler").inc()
             return
@@ -127,7 +131,8 @@ class CaptureProcess(Helper):
                 self._queue(encode_exchange(dropped_mark(exchange, "capture_queue_bytes")))
             return
         self._queue(encode_exchange(exchange))
-        self._sent += 1
+        self._custody.sent += 1
+        self.bodies_sent += 1
 
     def _refuses(self, exchange: Exchange) -> bool:
         """A generate call of a sample the sampler refuses: as the child said, or by a
@@ -173,6 +178,8 @@ class CaptureProcess(Helper):
         """For /ready: this process's state, and what it last said of its spool, its export
         process and the tokenizers."""
         checks = {"capture": self.check}
+        if self._unsettled is not None:  # from the death until the next one opens the spool
+            checks["capture"] = "restarted: waiting for the new process to open the spool"
         if self.ready and self._child_checks:
             checks.update(self._child_checks)
         else:
@@ -195,35 +202,48 @@ class CaptureProcess(Helper):
         await self._stop(encode_control({"op": "stop", "timeout": timeout}), timeout + 60)
         self._transport = None
         self._fail_answers("the capture process has stopped")
+        if self._unsettled is not None:  # no child opened the spool since one died
+            self._count_lost(self._unsettled.lost(None), exact=False)
+            self._unsettled = None
 
     def _connected(self) -> None:
         """From now on exchanges go to this child; they wait in the socket until it is up."""
         assert self._writer is not None
-        self._sent = self._received = self._held = 0
+        self._custody = Custody()
         self._refused.clear()  # a new sampler: it says again what it refuses
         self._child_checks = {}
         self._transport = self._writer.transport  # type: ignore[assignment]
         self.generation += 1
 
     def _died(self) -> None:
+        self._relayed.retire()
         self._transport = None
         self._pending, self._pending_bytes = [], 0
-        # In transit, or held by the child as it last said: an upper bound, since what it
-        # finished after its last status may be counted as both recorded and lost.
-        lost = self._sent - self._received + self._held
-        self._metrics.capture_dropped.labels("capture_process_lost").inc(lost)
+        if self._unsettled is not None:  # two deaths before a child opened the spool
+            self._count_lost(self._unsettled.lost(None), exact=False)
+        # Counted once the next child says where the spool ends (what was written is not lost).
+        self._unsettled = self._custody.unsettled()
         self._metrics.capture_process_restarts.inc()
-        log.error("%d exchanges (in transit, queued, or calls of its %d open trajectories) are "
-                  "lost with the capture process", lost, self.open_count)  # fmt: skip
         self._fail_answers("the capture process ended unexpectedly")
         self.open_count = 0
+
+    def _count_lost(self, lost: int, exact: bool) -> None:
+        self._metrics.capture_dropped.labels("capture_process_lost").inc(lost)
+        if lost:
+            log.error("%d calls (in transit, queued, in open trajectories or not yet spooled) "
+                      "were lost with the capture process%s", lost,
+                      "" if exact else " (at most: the spool was not opened again)")  # fmt: skip
 
     def _on_message(self, op: str, message: dict[str, Any]) -> None:
         if op == "status":
             self._relayed.text = message["metrics"]
             self.open_count = message["open"]
-            self._received = message["received"]
-            self._held = message["held"]
+            self._custody.update(message["ledger"])
+            if message["spooled_through"] is not None:
+                self._custody.written(message["spooled_through"])
+            if self._unsettled is not None and message["spool_from"] is not None:
+                self._count_lost(self._unsettled.lost(message["spool_from"]), exact=True)
+                self._unsettled = None
             self.backlog = message.get("backlog", self.backlog)
             if message["checks"] != self._child_checks:
                 self._child_checks = message["checks"]
@@ -232,6 +252,9 @@ class CaptureProcess(Helper):
         elif op == "fatal":
             kind = TokenizerError if message.get("kind") == "tokenizer" else ConfigError
             self._fail(kind(message["message"]))
+        elif op == "spooling":
+            self._custody.update(message["ledger"])
+            self._custody.spooling(message["first"], message["units"])
         elif op == "refused":
             _remember(self._refused, tuple(message["sample"]))
         elif op in ("annotated", "flushed"):
@@ -293,25 +316,33 @@ class _Child:
         self.recorder = recorder
         self.reader = reader
         self.transport = reader.transport
-        self.received = 0
         self.tasks: set[asyncio.Task[None]] = set()
         self.refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # named to the proxy
         recorder.capture.on_refused = self._refused
+        recorder.pipeline.before_write = self._spooling
 
     def send(self, message: dict[str, Any]) -> None:
         if not self.transport.is_closing():
             self.transport.write(orjson.dumps(message) + b"\n")
 
     def send_status(self) -> None:
+        pipeline = self.recorder.pipeline
         self.send({
             "op": "status",
             "metrics": generate_latest(self.recorder.metrics.registry).decode(),
             "open": self.recorder.open_count,
-            "received": self.received,
-            "held": self.recorder.held,
+            "ledger": self.recorder.ledger.snapshot(),
+            "spooled_through": pipeline.spool.next_seq if pipeline.spool.opened else None,
+            "spool_from": pipeline.opened_at,
             "checks": self.recorder.checks(),
-            "backlog": self.recorder.pipeline.backlog,
+            "backlog": pipeline.backlog,
         })  # fmt: skip
+
+    def _spooling(self, first: int, units: list[int]) -> None:
+        """Before a batch is written: the units it carries, so that the proxy, if this process
+        dies, counts as lost only what did not reach the spool."""
+        self.send({"op": "spooling", "first": first, "units": units,
+                   "ledger": self.recorder.ledger.snapshot()})  # fmt: skip
 
     def send_fatal(self, failure: asyncio.Future[BaseException]) -> None:
         error = failure.result()
@@ -344,12 +375,12 @@ class _Child:
                 if frame.dropped == REFUSED:
                     if recorder.admit(frame):  # not expected: the sampler refused it before
                         recorder.metrics.capture_dropped.labels("sampler_changed").inc()
+                        recorder.ledger.settle()
                         await recorder.capture.put(frame)
                     continue
                 if frame.dropped is not None:  # counted where it was dropped
                     await recorder.capture.put(frame)
                     continue
-                self.received += 1
                 if recorder.admit(frame):
                     await recorder.capture.put(frame)
                 continue

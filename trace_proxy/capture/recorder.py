@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 
 from trace_proxy.capture.exchange import Exchange
+from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.child import proxy_pid
@@ -58,6 +59,7 @@ class Recorder:
         self.failure: asyncio.Future[BaseException] | None = None  # made in start()
         self.on_change: Callable[[], None] | None = None
         self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
+        self.ledger = Ledger()  # where each exchange is, for the proxy if this process dies
         self.pipeline = self._export_pipeline(exporters)
         closed = children(metrics.trajectories_closed)
         sampler_dropped, sampled = children(metrics.sampler_dropped), children(metrics.sampled)
@@ -68,6 +70,7 @@ class Recorder:
             idle_timeout=settings.idle_timeout,
             step_close_grace=settings.step_close_grace or 0.0,
             defer_finishing=True,  # the capture stage emits closed trajectories in bursts
+            ledger=self.ledger,
             on_close=lambda reason: closed(reason).inc(),
             inference=TrafficInference(on_evict=metrics.inference_evicted.inc),
             gate=SamplingGate(
@@ -75,6 +78,7 @@ class Recorder:
                 self.pipeline.submit,
                 on_drop=lambda what, why: sampler_dropped(what, why).inc(),
                 on_count=lambda what, outcome, n: sampled(what, outcome).inc(n),
+                ledger=self.ledger,
             ),
         )
         self._annotating: set[asyncio.Future[None]] = set()
@@ -87,6 +91,7 @@ class Recorder:
             queue_size=settings.capture_queue,
             queue_bytes=settings.capture_queue_bytes if queue_bytes is None else queue_bytes,
             idle_check_interval=min(settings.idle_timeout / 4, 5.0),
+            ledger=self.ledger,
         )
         self.token2text: Token2Text | None = None  # inline exporting only
         self.tokenizer_discovery: asyncio.Future[None] | None = None  # once upstreams answered
@@ -123,7 +128,12 @@ class Recorder:
             )
             exports = self._inline
         pipeline = ExportPipeline(
-            exports, self.metrics, spool, queue_size=settings.export_queue, lock_wait=wait
+            exports,
+            self.metrics,
+            spool,
+            queue_size=settings.export_queue,
+            lock_wait=wait,
+            ledger=self.ledger,
         )
         pipeline.on_change = self._changed
         pipeline.on_failure = self._spool_failed
@@ -142,12 +152,6 @@ class Recorder:
     @property
     def open_count(self) -> int:
         return self.assembler.open_count
-
-    @property
-    def held(self) -> int:
-        """Exchanges received whose calls are not yet in a closed trajectory: queued, or
-        calls of open trajectories (a crash would lose them)."""
-        return self.capture.waiting + self.assembler.open_calls
 
     def admit(self, exchange: Exchange) -> bool:
         return self.capture.admit(exchange)

@@ -22,6 +22,7 @@ from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
 from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
 from trace_proxy.capture.exchange import Exchange, dropped_mark
+from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.metrics import Metrics, children
@@ -45,8 +46,10 @@ class CaptureStage:
         queue_size: int,
         idle_check_interval: float,
         queue_bytes: int = 512 << 20,
+        ledger: Ledger | None = None,
     ) -> None:
         self._resolver = resolver
+        self._ledger = ledger if ledger is not None else Ledger()
         self._assembler = assembler
         self._metrics = metrics
         self._recorded_calls = children(metrics.calls_recorded)
@@ -81,6 +84,7 @@ class CaptureStage:
         verdict = self._assembler.admit_early(hints)
         if verdict is False:
             self._metrics.capture_dropped.labels("sampler").inc()
+            self._ledger.settle()
             if self.on_refused is not None:
                 self.on_refused(hints)
             if self._newer_step(hints):
@@ -139,11 +143,6 @@ class CaptureStage:
         exchange.size = size
         self._queued_bytes += size
 
-    @property
-    def waiting(self) -> int:
-        """Exchanges queued, not yet parsed."""
-        return self._queue.qsize()
-
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._work()), loop.create_task(self._close_idle())]
@@ -186,6 +185,7 @@ class CaptureStage:
                 exchange = dropped_mark(exchange, "shutdown")
             self.process(exchange)
         if left:
+            self._ledger.settle(left)
             self._metrics.capture_dropped.labels("shutdown").inc(left)
             log.error("%d exchanges not parsed within %.1f s of stopping: counted as dropped",
                       left, parse_within)  # fmt: skip
@@ -285,6 +285,7 @@ class CaptureStage:
             self._tool_call(exchange)
             return
         if kind is not RouteKind.GENERATE:
+            self._ledger.made(0)
             return
         dialect, parser = DIALECTS[exchange.path]
         if exchange.bodies_skipped is not None:
@@ -307,6 +308,7 @@ class CaptureStage:
             log.exception("parser %s failed on %s", dialect, exchange.path)
             parsed = [self._unparsed(exchange, dialect, request, f"parser error: {exc!r}")]
         ids = request.get(ids_field) if ids_text is not None and ids_field else None
+        self._ledger.made(len(parsed))
         for item in parsed:
             found = resolved.get(id(item.body))
             hints = found or self._resolver.resolve(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import time
 from collections import Counter
@@ -19,6 +20,7 @@ from typing import Any
 
 import aiohttp
 
+from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.show import iter_records
@@ -80,10 +82,21 @@ def run_tool(name: str, arguments: str) -> str:
     return f"Error when executing tool: unknown tool {name!r}"
 
 
+def reward_of(sample: int, messages: list[dict[str, Any]], answered: bool) -> float:
+    """What a verifier would say: 1 for an answer reached with only the task's tool (weather
+    tasks are the even ones), 0.5 when a wrong tool was called too, 0 for no answer or no tool."""
+    wanted = "get_weather" if sample % 2 == 0 else "calculator"
+    calls = [c for m in messages for c in m.get("tool_calls") or []]
+    used = {c["function"]["name"] for c in calls if "function" in c}
+    if not answered or wanted not in used:
+        return 0.0
+    return 1.0 if used == {wanted} else 0.5
+
+
 async def rollout(
     client: Any, model: str, step: int, sample: int, rollout_n: int, stream: bool
-) -> int:
-    """One trajectory: ask, call tools until the model answers, return the number of turns."""
+) -> tuple[int, float]:
+    """One trajectory: ask, call tools until the model answers; its turns and its reward."""
     headers = {
         "X-Rollout-Experiment": "demo",
         "X-Rollout-Step": str(step),
@@ -101,6 +114,8 @@ async def rollout(
             "tools": TOOLS,
             "max_tokens": 96,
             "temperature": 1.0,
+            "seed": step * 10_000 + sample * 100 + rollout_n,  # sibling rollouts sample apart
+            "logprobs": True,
             "extra_headers": headers,
             "extra_body": {"return_token_ids": True},
         }
@@ -113,7 +128,7 @@ async def rollout(
             tool_calls = [tc.model_dump() for tc in message.tool_calls or []]
         messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls or None})
         if not tool_calls:
-            return turn
+            return turn, reward_of(sample, messages, answered=True)
         for call in tool_calls:
             fn = call["function"]
             messages.append(
@@ -123,7 +138,7 @@ async def rollout(
                     "content": run_tool(fn["name"], fn["arguments"]),
                 }
             )
-    return MAX_TURNS
+    return MAX_TURNS, reward_of(sample, messages, answered=False)
 
 
 async def _streamed_turn(client: Any, kwargs: dict[str, Any]) -> tuple[str | None, list[Any]]:
@@ -204,8 +219,20 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
                     for n in range(rollouts)
                 )
             )
-            turns += sum(results)
-            print(f"  step {step}: {len(results)} rollouts, {sum(results)} model calls", flush=True)
+            # The verifier's rewards, posted as a trainer would (trace_proxy.client.post_reward).
+            keys = [(sample, n) for sample in range(samples) for n in range(rollouts)]
+            admin = str(addresses.admin)
+            posts = [
+                functools.partial(post_reward, admin, reward=reward, experiment="demo",
+                                  step=step, sample_index=sample, rollout_n=n)
+                for (sample, n), (_, reward) in zip(keys, results, strict=True)
+            ]  # fmt: skip
+            await asyncio.gather(*(asyncio.to_thread(post) for post in posts))
+            calls = sum(t for t, _ in results)
+            turns += calls
+            mean = sum(r for _, r in results) / len(results)
+            print(f"  step {step}: {len(results)} rollouts, {calls} model calls, "
+                  f"mean reward {mean:.2f}", flush=True)  # fmt: skip
             if step < steps:
                 await push_weights(addresses.proxy, f"v{step + 1}")
     finally:
@@ -244,3 +271,4 @@ def _summarize(output: Path, seconds: float, turns: int) -> None:
         print(f"  {path}")
     print(f"\nLook at them:  trace-proxy show {output}")
     print(f"One step only: trace-proxy show {output} --step 1")
+    print(f"In a browser:  trace-proxy ui {output}")

@@ -27,9 +27,12 @@ by record id; span ids are hashed from it, so a retried export sends the very sa
 Delivery: a TracerProvider of our own (never the global one; sampler ALWAYS_ON, whatever the
 environment says) whose one processor keeps the ended spans; `export()` hands them to the
 SpanExporter itself, one request per `request_budget` characters of content, and raises when the
-SpanExporter reports failure, so the pipeline retries. The SDK's processors cannot tell: in SDK
-1.45 `SimpleSpanProcessor` drops the export result and `BatchSpanProcessor.force_flush()` returns
-True after a failed export, so a 503 would be lost silently. Nothing is buffered between calls:
+SpanExporter reports failure, so the pipeline retries; a refusal that no retry can change (400,
+413, 422, seen on our own `requests` session) raises `ExportRejected`, so those records are
+dropped and counted instead of holding up every record behind them. The SDK's processors
+cannot tell: in SDK 1.45 `SimpleSpanProcessor` drops the export result and
+`BatchSpanProcessor.force_flush()` returns True after a failed export, so a 503 would be lost
+silently. Nothing is buffered between calls:
 when `export()` returns, the spans were accepted. Records already accepted in a batch that then
 failed are not sent again by its retry. `OTLPSpanExporter` itself retries 429/502/503/504 and
 connection errors with backoff (or the receiver's Retry-After) while that fits in its timeout
@@ -60,6 +63,7 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from trace_proxy import __version__
+from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.trajectories.prompts import expand_prompts
 from trace_proxy.trajectories.record import (
     CallError,
@@ -105,6 +109,12 @@ MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
 Attributes = dict[str, Any]
 
 
+# The receiver cannot take these spans, however often they are sent (bad request, too large,
+# invalid): the records are rejected (the pipeline finds which, drops and counts them). Any
+# other refusal (401, 404: a setting to fix; 5xx: a receiver in trouble) is retried.
+REJECTED_STATUSES = (400, 413, 422)
+
+
 class OtlpExportError(RuntimeError):
     """The receiver did not accept a request (the pipeline retries the batch)."""
 
@@ -120,10 +130,17 @@ class OtlpExporter:
         *,
         span_exporter: SpanExporter | None = None,
     ) -> None:
+        self._status: int | None = None  # of the receiver's latest answer, when known
         if span_exporter is None:
+            import requests
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
-            span_exporter = OTLPSpanExporter(endpoint=endpoint, headers=dict(headers))
+            # The SDK only says "failure": the status, seen on the way, tells which kind.
+            session = requests.Session()
+            session.hooks["response"].append(self._answered)
+            span_exporter = OTLPSpanExporter(
+                endpoint=endpoint, headers=dict(headers), session=session
+            )
         self.endpoint = endpoint
         self._exporter = span_exporter
         self._ids = _RecordIds()
@@ -177,8 +194,17 @@ class OtlpExporter:
             finally:
                 self._exporter.shutdown()
 
+    def _answered(self, response: Any, *args: Any, **kwargs: Any) -> None:
+        self._status = response.status_code
+
     def _send(self, spans: list[ReadableSpan], keys: list[str]) -> None:
+        self._status = None
         result = self._exporter.export(spans)
+        if result is not SpanExportResult.SUCCESS and self._status in REJECTED_STATUSES:
+            raise ExportRejected(
+                f"otlp: {self.endpoint} refused {len(spans)} spans ({len(keys)} records) for "
+                f"good (HTTP {self._status})"
+            )
         if result is not SpanExportResult.SUCCESS:
             raise OtlpExportError(
                 f"OTLP export of {len(spans)} spans ({len(keys)} records) to {self.endpoint} "

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
+from trace_proxy.capture.ledger import Ledger
 from trace_proxy.exporters.spool import SpoolBusy, SpoolFull, SpoolWriter, acquire, backlog
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.record import Record, dumps
@@ -60,6 +61,7 @@ class ExportPipeline:
         batch_size: int = 256,
         retry_backoff: float = 0.5,
         lock_wait: float = 0.0,
+        ledger: Ledger | None = None,
     ) -> None:
         """`spool` may still have to take its lock (`SpoolWriter(locked=False)`): the writer
         waits for it up to `lock_wait` seconds when a leftover holds it."""
@@ -78,6 +80,10 @@ class ExportPipeline:
         self.backlog: dict[str, int] | None = None  # per backend, once closed
         self.on_change: Callable[[], None] | None = None
         self.on_failure: Callable[[BaseException], None] | None = None  # the spool is not ours
+        self.ledger = ledger if ledger is not None else Ledger()
+        # Told (first sequence number, units of each record) right before a batch is written.
+        self.before_write: Callable[[int, list[int]], None] | None = None
+        self.opened_at: int | None = None  # where the spool ended when it was opened
         metrics.spool_bytes.set_function(lambda: spool.used_bytes)
         for name in self.backends:
             metrics.export_queue.labels(name).set_function(functools.partial(self._behind, name))
@@ -109,6 +115,7 @@ class ExportPipeline:
         try:
             self._queue.put_nowait(record)
         except asyncio.QueueFull:
+            self.ledger.settle_record(record)
             self._metrics.spool_dropped.labels("queue_full").inc()
             if not self._dropping:  # once a spell, not once a record
                 log.warning("the spool is not keeping up and memory is full: records are "
@@ -179,6 +186,7 @@ class ExportPipeline:
                     self.on_failure(exc)
                 return False
         self._set_spool("ok")
+        self.opened_at = self.spool.next_seq
         self.exports.notify(self.spool.next_seq)  # what an earlier run left is exported first
         self._opened.set_result(None)
         return True
@@ -202,39 +210,53 @@ class ExportPipeline:
     async def _append(self, loop: asyncio.AbstractEventLoop, batch: list[Record]) -> int | None:
         """Spool a batch, retrying while the disk refuses it (the queue keeps filling, then
         drops). None when the batch could not be written at all."""
+        lines, encoded, failed = await loop.run_in_executor(self._thread, _encode, batch)
+        if failed:
+            self._metrics.spool_dropped.labels("unencodable").inc(len(failed))
+            for record in failed:
+                self.ledger.settle_record(record)
+        units = self.ledger.take(encoded)
+        if self.before_write is not None:
+            self.before_write(self.spool.next_seq, units)
         delay = self._retry_backoff
         while True:
             try:
-                end, unencodable = await loop.run_in_executor(
-                    self._thread, _encode_and_append, self.spool, batch
-                )
+                end = await loop.run_in_executor(self._thread, self.spool.append, lines)
             except SpoolFull as exc:
-                self._metrics.spool_dropped.labels("spool_full").inc(len(batch))
-                log.error("%d records dropped: %s", len(batch), exc)
+                self._dropped("spool_full", lines, units)
+                log.error("%d records dropped: %s", len(lines), exc)
                 return None
             except OSError as exc:
                 self._set_spool(f"cannot be written: {exc}")
                 if self._queue.full():
-                    self._metrics.spool_dropped.labels("spool_error").inc(len(batch))
+                    self._dropped("spool_error", lines, units)
                     log.error("the spool cannot be written and memory is full: %d records "
-                              "dropped: %s", len(batch), exc)  # fmt: skip
+                              "dropped: %s", len(lines), exc)  # fmt: skip
                     return None
                 log.warning("the spool cannot be written (again in %.1f s): %s", delay, exc)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 30.0)
             else:
                 self._set_spool("ok")
-                if unencodable:
-                    self._metrics.spool_dropped.labels("unencodable").inc(unencodable)
                 return end
 
+    def _dropped(self, reason: str, lines: list[bytes], units: list[int]) -> None:
+        self._metrics.spool_dropped.labels(reason).inc(len(lines))
+        self.ledger.settle(sum(units))
 
-def _encode_and_append(spool: SpoolWriter, batch: list[Record]) -> tuple[int, int]:
-    """Spool the batch; its end, and how many records could not be encoded (dropped)."""
-    lines = []
+
+def _encode(batch: list[Record]) -> tuple[list[bytes], list[Record], list[Record]]:
+    """The lines of the records that can be written as JSON, those records, and the others
+    (a bug: dropped and counted, never stopping the writer)."""
+    lines: list[bytes] = []
+    encoded: list[Record] = []
+    failed: list[Record] = []
     for record in batch:
         try:
             lines.append(dumps(record))
         except (TypeError, ValueError):
             log.exception("a %s record cannot be written as JSON: dropped", record.record)
-    return spool.append(lines), len(batch) - len(lines)
+            failed.append(record)
+        else:
+            encoded.append(record)
+    return lines, encoded, failed

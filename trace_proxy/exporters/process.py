@@ -169,6 +169,7 @@ class ExportProcess(Helper):
 
     def _died(self) -> None:
         self._metrics.export_process_restarts.inc()
+        self._relayed.retire()
 
     def _on_message(self, op: str, message: dict[str, Any]) -> None:
         if op == "metrics":
@@ -239,7 +240,9 @@ async def _serve(started: Started, life: Lifeline) -> None:
         return
     life.holding()
     send({"op": "ready"})
-    tasks = {loop.create_task(_report(metrics, send))}
+    report = _Report(metrics, send)
+    runner.before_commit = report.now
+    tasks = {loop.create_task(report.every(METRICS_EVERY))}
     session = aiohttp.ClientSession()
     if token2text is not None and token2text.tokenizers.empty:
         tasks.add(loop.create_task(_discover(settings, session, token2text, send)))
@@ -316,14 +319,25 @@ async def _flush(
     send({"op": "flushed", "id": message["id"]})
 
 
-async def _report(metrics: ExportMetrics, send: Any) -> None:
-    last = ""
-    while True:
-        text = generate_latest(metrics.registry).decode()
-        if text != last:
-            send({"op": "metrics", "text": text})
-            last = text
-        await asyncio.sleep(METRICS_EVERY)
+class _Report:
+    """Sends the export metrics to the proxy when they changed: every so often, and before a
+    cursor moves past what was counted (a SIGKILL after the move loses nothing counted)."""
+
+    def __init__(self, metrics: ExportMetrics, send: Callable[[dict[str, Any]], None]) -> None:
+        self._metrics = metrics
+        self._send = send
+        self._last = ""
+
+    def now(self) -> None:
+        text = generate_latest(self._metrics.registry).decode()
+        if text != self._last:
+            self._send({"op": "metrics", "text": text})
+            self._last = text
+
+    async def every(self, seconds: float) -> None:
+        while True:
+            self.now()
+            await asyncio.sleep(seconds)
 
 
 async def _discover(

@@ -51,7 +51,9 @@ step, with the conversation, the execution tree and the metadata (reward, key, t
 trackio writes in a background thread of each run (every 0.5 s) and only warns when a write
 fails, so an export never raises for storage errors; `export()` writes the batch itself before
 it returns (`_persist`), so the spool's cursor never moves past a trace still in memory;
-`close()` finishes the runs.
+`close()` finishes the runs. A record trackio cannot take (a project name it reserves, such as
+`registry-*` or one ending in `_traces`; a record that cannot be rendered) is rejected: dropped
+and counted (`export_dropped{reason="rejected"}`), never counted as exported.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.storenames import store_name
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
@@ -112,6 +115,7 @@ class TrackioExporter:
 
     def export(self, records: list[Record]) -> None:
         logged: dict[Where, list[tuple[int, str, Any]]] = {}  # by run, in record order
+        rejected: list[str] = []  # why, for each record trackio cannot take
         for record in records:
             if isinstance(record, Trajectory):
                 key = record.key
@@ -123,13 +127,18 @@ class TrackioExporter:
             else:
                 continue  # step events and step summaries: not exported to trackio
             if not self._valid_project(where[0]):
+                rejected.append(f"trackio refuses the project name {where[0]!r}")
                 continue
             try:
                 trace = self._trace(record)
-            except Exception:  # a record this code cannot render: retrying will not help
+            except Exception as exc:  # a record this code cannot render: retrying will not help
                 log.exception("trackio: could not render record %s", _record_id(record))
+                rejected.append(f"record {_record_id(record)} cannot be rendered: {exc!r}")
                 continue
             logged.setdefault(where, []).append((0 if step is None else step, name, trace))
+        if rejected:  # before anything is logged: the pipeline sends the others one by one
+            raise ExportRejected(f"trackio: {len(rejected)} of {len(records)} records cannot be "
+                                 f"exported; {rejected[0]}")  # fmt: skip
         # Every run first: a failure raises before anything is logged, so a retry repeats nothing
         # (a batch naming more runs than may be open: for each part of it).
         places = list(logged)

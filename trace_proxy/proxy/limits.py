@@ -11,7 +11,9 @@ aiohttp's `web.Server` with a request handler that also
 - times a request's body from the end of its headers: after `body_timeout`, reading it fails
   with `RequestBodyTimeout`, which the forwarder answers with a 408, closing the connection;
 - answers a request line or header line over `max_header_size`, or more than `max_headers`
-  header lines, with 431 instead of aiohttp's 400, without the offending bytes in the answer.
+  header lines, with 431 instead of aiohttp's 400, without the offending bytes in the answer;
+- answers a request that is not valid HTTP/1.1 (a bad header line, a bad Content-Length or
+  chunk size) with 400, counted as `bad_request`, instead of a traceback in the log for each.
 
 Only the request side is timed: a streamed response lasts as long as the generation does.
 Each refusal is counted by reason and logged once per reason, not once per request: a flood
@@ -140,6 +142,8 @@ class LimitedHandler(RequestHandler):
         exc: BaseException | None = None,
         message: str | None = None,
     ) -> web.StreamResponse:
+        if isinstance(exc, BadHttpMessage) and not _head_too_large(exc):
+            return self._bad_request(exc)
         if not _head_too_large(exc):
             return super().handle_error(request, status, exc, message)
         limits = self._limits
@@ -154,6 +158,16 @@ class LimitedHandler(RequestHandler):
             text=f"431 Request Header Fields Too Large: at most {limits.max_header_size} bytes "
             f"per request line or header line, and {limits.max_headers} header lines\n",
         )
+        response.force_close()
+        return response
+
+    def _bad_request(self, exc: BadHttpMessage) -> web.StreamResponse:
+        self._rejections(
+            "bad_request",
+            "a request that is not valid HTTP/1.1 (aiohttp's parser: "
+            f"{_first_line(exc.message)}): answered 400, not forwarded",
+        )
+        response = web.Response(status=400, text="400 Bad Request: not valid HTTP/1.1\n")
         response.force_close()
         return response
 
@@ -206,6 +220,11 @@ class LimitedHandler(RequestHandler):
             if timer is not None:
                 timer.cancel()
         self._head_timer = self._body_timer = None
+
+
+def _first_line(message: str) -> str:
+    """The parser's reason without the offending bytes it quotes on the following lines."""
+    return message.strip().splitlines()[0][:120] if message.strip() else "unknown"
 
 
 def _head_too_large(exc: BaseException | None) -> bool:

@@ -20,6 +20,7 @@ from typing import Any
 import orjson
 
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
+from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import MAX_VALUE_LEN, KeyHints
 from trace_proxy.storenames import store_name
 from trace_proxy.trajectories.gate import SamplingGate
@@ -63,6 +64,7 @@ class _Open:
     outcomes: list[Outcome] = field(default_factory=list)  # rewards posted while open
     dropped: int = 0  # calls forwarded whose bodies capture could not keep
     dropped_span: tuple[float, float] | None = None  # their earliest start and latest end
+    units: int = 0  # exchanges' units it holds (calls, merged resumes, tool calls: ledger.py)
     # Prompt ids are shared as calls arrive (see `_share_ids`): the call that started last (the
     # last added of those that started together) and its full prompt ids, as the JSON text they
     # were decoded from when known (about a sixth of the memory of ints), else as a list; for
@@ -94,12 +96,14 @@ class Assembler:
         gate: SamplingGate | None = None,
         step_close_grace: float = 0.0,
         defer_finishing: bool = False,
+        ledger: Ledger | None = None,
     ) -> None:
         """`defer_finishing`: closed trajectories are built, sampled and emitted later, by
         `run_pending`, in order, so a step change closing thousands of them at once can be
         spread over many turns of the event loop instead of stalling it."""
         self._step_close_grace = step_close_grace
         self._defer = defer_finishing
+        self._ledger = ledger if ledger is not None else Ledger()
         self._pending: deque[Callable[[], None]] = deque()
         self._closing: dict[str, _Open] = {}  # closed, waiting in `_pending` to be finished
         self._inference = inference
@@ -120,11 +124,6 @@ class Assembler:
     @property
     def open_count(self) -> int:
         return len(self._open)
-
-    @property
-    def open_calls(self) -> int:
-        """Calls held in open trajectories (what a crash would lose)."""
-        return sum(len(t.calls) for t in self._open.values())
 
     @property
     def pending(self) -> int:
@@ -184,8 +183,10 @@ class Assembler:
             self._inference.place(key, call)
         found = self._destination(key, hints, admitted)
         if found is None:
+            self._ledger.settle()  # the sampler's refusal, counted
             return
         trajectory, single = found
+        trajectory.units += 1
         latest = trajectory.latest
         if latest is not None and resumes(latest, call, trajectory.full_latest_ids):
             merge_resumed(latest, call)
@@ -259,8 +260,10 @@ class Assembler:
         """A tool call seen directly (an HTTP tool server routed through the proxy)."""
         found = self._destination(self._key(hints), hints, admitted=False)
         if found is None:
+            self._ledger.settle()
             return
         trajectory, single = found
+        trajectory.units += 1
         trajectory.tools.append(tool)
         if single:
             self._finish_later(trajectory, "single_call")
@@ -346,6 +349,7 @@ class Assembler:
     def add_event(self, event: StepEvent) -> None:
         if event.event in WEIGHT_UPDATE_EVENTS and self._inference is not None:
             self._inference.weight_update(event.project, event.experiment)
+        self._ledger.hold(event, 1)
         self._later(partial(self._emit, event))
 
     def close_idle(self) -> None:
@@ -451,6 +455,7 @@ class Assembler:
                     self._gate.annotate(outcome, key.project, key.experiment)
             return
         built = build_trajectory(trajectory, reason)
+        self._ledger.hold(built, trajectory.units)
         if self._gate is not None:
             self._gate.release(built)
         else:

@@ -18,6 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from trace_proxy.capture.ledger import Ledger
 from trace_proxy.trajectories.record import (
     Annotation,
     Record,
@@ -56,7 +57,9 @@ class SamplingGate:
         max_waiting: int = 50_000,
         on_drop: Callable[[str, str], None] | None = None,
         on_count: Callable[[str, str, int], None] | None = None,
+        ledger: Ledger | None = None,
     ) -> None:
+        self._ledger = ledger if ledger is not None else Ledger()
         self._on_count = on_count  # (calls|trajectories, seen|kept|dropped_by_sampler, n)
         self._sampler = sampler
         self._emit = emit
@@ -155,6 +158,7 @@ class SamplingGate:
         if fate is Fate.DROP:
             self._count("trajectories", "dropped_by_sampler", 1)
             self._dropped("trajectory", "sampler")
+            self._ledger.settle_record(trajectory)
             return
         trajectory.annotations.append(
             {"field": "step", "source": "sampler", "value": str(key.step),
@@ -261,6 +265,7 @@ class SamplingGate:
             self._count("trajectories", "dropped_by_sampler", 1)
         summary.calls_dropped_by_sampler += len(trajectory.calls)
         self._dropped("trajectory", reason)
+        self._ledger.settle_record(trajectory)
 
     def _count(self, what: str, outcome: str, n: int) -> None:
         if self._on_count is not None and n:

@@ -1,0 +1,220 @@
+"""The viewer in a real browser: headless Chromium (Debian's packages, driven by Selenium) walks
+the pages of a store the demo wrote, the way a new user would after `trace-proxy demo`.
+
+Screenshots of every page are kept in `$TRACE_PROXY_TEST_ARTIFACTS/ui-screenshots/` when that
+is set, else in pytest's temporary directory (`pytest-of-<user>/pytest-<n>/ui-screenshots0/`).
+Chromium is installed by `.ci/run` when missing; elsewhere the test is skipped without it, and
+fails without it when `TRACE_PROXY_REQUIRE_BROWSER` is set (CI sets it).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+from trace_proxy.show import iter_records
+from trace_proxy.trajectories.prompts import transcript_of
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMEDRIVER = shutil.which("chromedriver")
+WAIT = 30.0  # seconds a page may take on two busy cores
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    if not (CHROMIUM and CHROMEDRIVER):
+        reason = ("headless Chromium is not installed "
+                  "(apt-get install chromium chromium-driver; .ci/run installs it)")  # fmt: skip
+        if os.environ.get("TRACE_PROXY_REQUIRE_BROWSER"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for argument in ("--headless=new", "--no-sandbox", "--disable-gpu",
+                     "--disable-dev-shm-usage", "--window-size=1400,1000"):  # fmt: skip
+        options.add_argument(argument)
+    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
+    driver.implicitly_wait(0)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+@pytest.fixture(scope="module")
+def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """What `trace-proxy demo` writes, and its hint to look at it in the browser."""
+    home = tmp_path_factory.mktemp("ui-demo")
+    demo = subprocess.run(
+        [sys.executable, "-m", "trace_proxy", "demo", "--output", "traces"],
+        capture_output=True, text=True, timeout=180, cwd=home,
+    )  # fmt: skip
+    assert demo.returncode == 0, demo.stderr
+    assert "In a browser:  trace-proxy ui traces" in demo.stdout
+    return home / "traces"
+
+
+@pytest.fixture(scope="module")
+def viewer_url(demo_store: Path) -> Iterator[str]:
+    """`trace-proxy ui STORE --port 0 --tokenizer DIR`, as a user starts it; its URL from what
+    it prints."""
+    tokenizer = str(ensure_qwen_tokenizer())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "trace_proxy", "ui", str(demo_store), "--port", "0",
+         "--tokenizer", tokenizer],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    lines: queue.Queue[str] = queue.Queue()
+    stdout = process.stdout
+    assert stdout is not None
+    threading.Thread(target=lambda: [lines.put(line) for line in stdout], daemon=True).start()
+    try:
+        printed = ""
+        while "http://" not in printed:
+            printed += lines.get(timeout=90)  # a line at a time, as they are printed
+        found = re.search(r"(http://127\.0\.0\.1:\d+/)", printed)
+        assert found, printed
+        yield found.group(1)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def shots(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    configured = os.environ.get("TRACE_PROXY_TEST_ARTIFACTS")
+    if configured:
+        path = Path(configured) / "ui-screenshots"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+    return tmp_path_factory.mktemp("ui-screenshots")
+
+
+def test_a_new_user_finds_the_best_and_worst_rollout_and_where_they_diverge(
+    browser: object, viewer_url: str, demo_store: Path, shots: Path, qwen_tokenizer: Any
+) -> None:
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    assert isinstance(browser, WebDriver)
+    driver = browser
+    wait = WebDriverWait(driver, WAIT)
+    stored = {r["id"]: r for _, r in iter_records(demo_store) if r.get("record") == "trajectory"}
+
+    def shot(name: str) -> None:
+        assert driver.save_screenshot(str(shots / f"{name}.png"))
+
+    def text(css: str) -> str:
+        return str(driver.find_element(By.CSS_SELECTOR, css).text)
+
+    # Runs: the demo's one run, with its counts.
+    driver.get(viewer_url)
+    row = driver.find_element(By.CSS_SELECTOR, "#runs tbody tr")
+    assert "default" in row.text and "16" in row.text
+    shot("01-runs")
+    driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
+
+    # Steps of the run: two training steps, plots across them.
+    wait.until(ec.presence_of_element_located((By.ID, "train-steps")))
+    steps = driver.find_elements(By.CSS_SELECTOR, "#train-steps tbody tr")
+    assert [s.find_element(By.TAG_NAME, "a").text for s in steps] == ["1", "2"]
+    assert len(driver.find_elements(By.CSS_SELECTOR, "figure.plot svg polyline")) == 3
+    shot("02-steps")
+    steps[0].find_element(By.TAG_NAME, "a").click()
+
+    # A step: GRPO groups as rows, rollouts side by side, best and worst marked.
+    wait.until(ec.presence_of_element_located((By.ID, "groups")))
+    groups = driver.find_elements(By.CSS_SELECTOR, "#groups tr.group")
+    assert [g.get_attribute("data-group") for g in groups] == [f"sample {i}" for i in range(4)]
+    assert all(len(g.find_elements(By.CSS_SELECTOR, "td.rollout")) == 2 for g in groups)
+    mixed = [g for g in groups if g.find_elements(By.CSS_SELECTOR, "a.compare-best-worst")]
+    assert mixed, "the demo's verifier gives some group's rollouts different rewards"
+    group = mixed[0]
+    best = float(group.find_element(By.CSS_SELECTOR, "td.best").get_attribute("data-reward"))
+    worst = float(group.find_element(By.CSS_SELECTOR, "td.worst").get_attribute("data-reward"))
+    assert best > worst
+    shot("03-step")
+    group.find_element(By.CSS_SELECTOR, "a.compare-best-worst").click()
+
+    # Compare: the two side by side, the first divergence marked in the page.
+    wait.until(ec.presence_of_element_located((By.ID, "compare")))
+    assert text("#divergence").startswith("First divergence: turn")
+    rewards = [float(r.text.split()[-1]) for r in
+               driver.find_elements(By.CSS_SELECTOR, "#compare thead .reward")]  # fmt: skip
+    assert rewards == [best, worst]
+    marker = driver.find_element(By.CSS_SELECTOR, "#first-divergence mark.diverge")
+    assert marker.is_displayed()
+    shot("04-compare")
+    driver.find_element(By.CSS_SELECTOR, "#compare thead a.traj-link").click()
+
+    # A trajectory turn by turn, as the store holds it.
+    wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
+    ident = driver.current_url.rstrip("/").rsplit("/", 1)[-1]
+    record = stored[ident]
+    assert float(text("#traj-reward").split()[0]) == best == record["reward"]
+    assert len(driver.find_elements(By.CSS_SELECTOR, "section.turn")) == len(record["calls"])
+    spans = driver.find_elements(By.CSS_SELECTOR, "svg.timeline g.span")
+    assert len(spans) == len(record["calls"]) + len(record["tools"])
+    specials = {s.get_attribute("textContent") for s in
+                driver.find_elements(By.CSS_SELECTOR, "pre.response .special")}  # fmt: skip
+    assert "<|im_end|>" in specials
+    first_response = driver.find_element(By.CSS_SELECTOR, "#turn-0 pre.response")
+    first_output = record["calls"][0]["outputs"][0]
+    assert first_response.get_attribute("textContent") == first_output["response_text"]
+    transcript = driver.find_element(By.CSS_SELECTOR, "#transcript pre")
+    assert transcript.get_attribute("textContent") == transcript_of(record)
+    driver.find_element(By.CSS_SELECTOR, "#turn-0 details.logprobs summary").click()
+    token = driver.find_element(By.CSS_SELECTOR, "#turn-0 .tokens .tok")
+    ActionChains(driver).move_to_element(token).perform()
+    first_logprob = first_output["logprobs"][0]
+    assert f"logprob {first_logprob:.4g}" in token.get_attribute("title")
+    first_token = first_output["token_ids"][0]
+    assert token.get_attribute("textContent") == qwen_tokenizer.decode([first_token])
+    shot("05-trajectory")
+    driver.find_element(By.ID, "raw-link").click()
+    raw = orjson.loads(driver.find_element(By.TAG_NAME, "body").text)
+    assert raw["id"] == ident and raw["calls"] == record["calls"]
+    driver.back()
+
+    # Filters: a text search keeps the one group whose task mentions London.
+    wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
+    driver.find_element(By.CSS_SELECTOR, "nav.crumbs a:nth-of-type(3)").click()
+    search = wait.until(ec.presence_of_element_located((By.NAME, "q")))
+    search.send_keys("London")
+    search.submit()
+    wait.until(ec.url_contains("q=London"))
+    groups = driver.find_elements(By.CSS_SELECTOR, "#groups tr.group")
+    assert [g.get_attribute("data-group") for g in groups] == ["sample 2"]
+    shot("06-step-search")
+
+    # A proxy still writing: a new step shows up, announced on the open page.
+    driver.find_element(By.CSS_SELECTOR, "nav.crumbs a:nth-of-type(2)").click()
+    wait.until(ec.presence_of_element_located((By.ID, "train-steps")))
+    new = dict(next(iter(stored.values())))
+    new["id"] = uuid.uuid4().hex
+    new["key"] = {**new["key"], "step": 3}
+    with open(demo_store / "default" / "demo" / "step-000003.jsonl", "ab") as handle:
+        handle.write(orjson.dumps(new) + b"\n")
+    wait.until(ec.visibility_of_element_located((By.ID, "fresh")))
+    driver.find_element(By.ID, "reload").click()
+    wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#train-steps tbody tr")) == 3)
+    shot("07-steps-followed")

@@ -1,0 +1,199 @@
+"""The viewer's pages over HTTP: hostile text is only ever escaped, URLs cannot reach outside
+the stores, and only the viewer's own address is answered."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+from urllib.parse import quote
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+from ui_records import annotation, append, call, run_dir, step_file, trajectory
+
+from trace_proxy.storenames import store_name
+from trace_proxy.ui.index import StoreIndex
+from trace_proxy.ui.server import Viewer, is_loopback
+
+EVIL = '<script>alert("x")</script><img src=x onerror=alert(1)>'
+EVIL_PROJECT = f"p{EVIL}"
+EVIL_EXPERIMENT = "../../etc"
+
+
+@pytest.fixture
+async def hostile(tmp_path: Path) -> AsyncIterator[tuple[TestClient, dict[str, str], str]]:
+    """A store whose every recorded string is markup, served by the viewer."""
+    store = tmp_path / "store"
+    directory = run_dir(store, EVIL_PROJECT, EVIL_EXPERIMENT)
+    tool_call = {"id": EVIL, "type": "function", "function": {"name": EVIL, "arguments": EVIL}}
+    calls = [
+        call(0, EVIL, prompt_text=f"<|im_start|>user\n{EVIL}<|im_end|>", tool_calls=[tool_call],
+             logprobs=[-0.1, -2.0, -0.5]),
+        call(1, f"{EVIL} bye", prompt_ids=[6, 7], prefix_call=0, prefix_len=8,
+             prompt_text=EVIL),
+    ]  # fmt: skip
+    calls[1]["error"] = {"type": EVIL, "message": EVIL}
+    calls[1]["model"] = EVIL
+    tools = [{"index": 0, "kind": "tool", "observed": EVIL, "start": 100.6, "end": 100.9,
+              "name": EVIL, "call_id": EVIL, "arguments": EVIL, "result": EVIL,
+              "requested_by": 0, "error": {"type": EVIL}}]  # fmt: skip
+    first = trajectory(project=EVIL_PROJECT, experiment=EVIL_EXPERIMENT, calls=calls,
+                       tools=tools, labels={EVIL: EVIL}, reward=0.0, status="error")  # fmt: skip
+    first["close_reason"] = EVIL
+    first["annotations"] = [{"field": EVIL, "value": EVIL}]
+    second = trajectory(project=EVIL_PROJECT, experiment=EVIL_EXPERIMENT, rollout=1,
+                        calls=[call(0, "fine")], reward=1.0)  # fmt: skip
+    append(step_file(directory, 1), first, second, annotation([second["id"]], 0.5,
+                                                              labels={EVIL: 1}))  # fmt: skip
+    viewer = Viewer(StoreIndex([store], min_interval=0))
+    client = TestClient(TestServer(viewer.app()))
+    await client.start_server()
+    project, experiment = store_name(EVIL_PROJECT), store_name(EVIL_EXPERIMENT)
+    base = f"/run/0/{quote(project, safe='')}/{quote(experiment, safe='')}"
+    ids = {"first": first["id"], "second": second["id"]}
+    try:
+        yield client, ids, base
+    finally:
+        await client.close()
+
+
+def assert_escaped(page: str) -> None:
+    assert "<script>alert" not in page and "<img src=x" not in page
+    assert "&lt;script&gt;alert(" in page or "%3Cscript%3E" in page
+    # The page's only script is the viewer's own, loaded by URL.
+    assert re.findall(r"<script[^>]*>", page) == ['<script src="/static/viewer.js" defer>']
+
+
+async def test_every_page_escapes_what_records_hold(
+    hostile: tuple[TestClient, dict[str, str], str],
+) -> None:
+    client, ids, base = hostile
+    pages = [
+        "/", base + "/", base + "/step/1", base + f"/step/1?q={quote(EVIL)}&status=error",
+        base + f"/t/{ids['first']}", base + f"/t/{ids['second']}",
+        base + f"/compare?id={ids['first']}&id={ids['second']}",
+    ]  # fmt: skip
+    for page in pages:
+        response = await client.get(page)
+        assert response.status == 200, page
+        assert "script-src 'self'" in response.headers["Content-Security-Policy"]
+        text = await response.text()
+        assert_escaped(text)
+    trajectory_page = await (await client.get(base + f"/t/{ids['first']}")).text()
+    assert '<span class="special">&lt;|im_start|&gt;</span>' in trajectory_page
+    assert 'title="token 8 · logprob -2' in trajectory_page  # logprobs on hover
+    raw = await client.get(base + f"/t/{ids['first']}/raw")
+    assert raw.content_type == "application/json" and raw.headers["X-Content-Type-Options"]
+    assert (await raw.json())["labels"] == {EVIL: EVIL}
+    second = await (await client.get(base + f"/t/{ids['second']}")).text()
+    assert "0.5" in second and "posted after the trajectory was written" in second
+
+
+async def test_urls_cannot_leave_the_stores(
+    hostile: tuple[TestClient, dict[str, str], str], tmp_path: Path
+) -> None:
+    client, _, base = hostile
+    (tmp_path / "secret.jsonl").write_text('{"record": "trajectory", "id": "secret"}\n')
+    for path in [
+        "/static/..%2Fserver.py", "/static/viewer.py", "/static/%2E%2E/index.py",
+        "/run/0/..%2F..%2F/secret.jsonl/", "/run/0/%2E%2E%2F%2E%2E/x/", "/run/1/x/y/",
+        base + "/t/..%2F..%2F..%2Fsecret.jsonl", base + "/step/..%2F..%2Fsecret",
+        base + "/t/secret", "/run/0/" + quote("..", safe="") + "/store/",
+    ]:  # fmt: skip
+        response = await client.get(path)
+        assert response.status in (400, 404), path
+        assert "secret" not in (await response.text()).replace(path, "")
+    assert (await client.post("/", data=b"x")).status == 405
+
+
+async def test_only_the_served_address_is_answered(
+    hostile: tuple[TestClient, dict[str, str], str],
+) -> None:
+    client, _, _ = hostile
+    viewer_app = client.server.app
+    assert viewer_app is not None
+    port = client.port
+    viewer = next(m.__self__ for m in viewer_app.middlewares if hasattr(m, "__self__"))
+    viewer.allowed_hosts = {f"127.0.0.1:{port}", f"localhost:{port}"}
+    assert (await client.get("/", headers={"Host": "attacker.example"})).status == 421
+    assert (await client.get("/", headers={"Host": f"localhost:{port}"})).status == 200
+    assert all(is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.8.0.1"))
+    assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.com"))
+
+
+async def test_step_filters_sort_and_page(tmp_path: Path) -> None:
+    directory = run_dir(tmp_path)
+    records = [
+        trajectory(step=3, sample=s, rollout=n, reward=float((s * 7 + n * 3) % 5),
+                   calls=[call(0, f"answer {s}-{n}")])
+        for s in range(60) for n in range(4)
+    ]  # fmt: skip
+    append(step_file(directory, 3), *records)
+    client = TestClient(TestServer(Viewer(StoreIndex([tmp_path], min_interval=0)).app()))
+    await client.start_server()
+    try:
+        base = "/run/0/proj/exp/step/3"
+        page = await (await client.get(base)).text()
+        assert page.count('class="group"') == 50 and 'id="next-page"' in page
+        page = await (await client.get(base + "?page=2")).text()
+        assert page.count('class="group"') == 10
+        page = await (await client.get(base + "?q=answer+17-2")).text()
+        assert page.count('class="group"') == 1 and page.count('class="rollout') == 1
+        page = await (await client.get(base + "?min=4&sort=reward")).text()
+        rewards = re.findall(r'data-reward="([^"]*)"', page)
+        assert rewards and set(rewards) == {"4.0"}
+        page = await (await client.get(base + "?sort=-reward")).text()
+        means = [float(m) for m in re.findall(r"mean reward ([0-9.]+)", page)]
+        assert means == sorted(means)
+        assert (await client.get("/run/0/proj/exp/step/4")).status == 404
+        assert (await client.get(base + "?split=validation")).status == 404  # none recorded
+        append(step_file(directory, 3, validate=True), trajectory(step=3, validate=True))
+        moved = await client.get(base + "?split=validation&q=x&page=2", allow_redirects=False)
+        assert moved.status == 302
+        assert moved.headers["Location"] == "/run/0/proj/exp/step/validate-3?q=x"
+        page = await (await client.get(base + "?split=validation")).text()
+        assert "validation step 3" in page and 'id="split"' in page
+    finally:
+        await client.close()
+
+
+async def test_several_stores_side_by_side(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        append(step_file(run_dir(tmp_path / name, "proj", name), 1),
+               trajectory(experiment=name, calls=[call(0, f"from store {name}")]))  # fmt: skip
+    viewer = Viewer(StoreIndex([tmp_path / "a", tmp_path / "b"], min_interval=0))
+    client = TestClient(TestServer(viewer.app()))
+    await client.start_server()
+    try:
+        runs = await (await client.get("/")).text()
+        assert 'href="/run/0/proj/a/"' in runs and 'href="/run/1/proj/b/"' in runs
+        step = await (await client.get("/run/1/proj/b/step/1")).text()
+        (ident,) = re.findall(r'data-id="([0-9a-f]+)"', step)
+        page = await (await client.get(f"/run/1/proj/b/t/{ident}")).text()
+        assert "from store b" in page
+        assert (await client.get(f"/run/0/proj/a/t/{ident}")).status == 404
+    finally:
+        await client.close()
+
+
+async def test_steps_of_a_run_with_validation_apart(tmp_path: Path) -> None:
+    directory = run_dir(tmp_path)
+    for step, rewards in ((1, [0.0, 1.0]), (2, [1.0, 1.0])):
+        append(
+            step_file(directory, step),
+            *(trajectory(step=step, rollout=n, reward=r) for n, r in enumerate(rewards)),
+        )
+    append(step_file(directory, 2, validate=True), trajectory(step=2, validate=True, reward=0.25))
+    client = TestClient(TestServer(Viewer(StoreIndex([tmp_path], min_interval=0)).app()))
+    await client.start_server()
+    try:
+        page = await (await client.get("/run/0/proj/exp/")).text()
+        train = page[page.index('id="train-steps"') : page.index('id="validation-steps"')]
+        validation = page[page.index('id="validation-steps"') :]
+        assert train.count("<tr>") == 3 and validation.count("<tr>") == 2  # with the heads
+        assert ">0.5<" in train and ">0.25<" in validation  # mean rewards
+        assert 'href="/run/0/proj/exp/step/validate-2"' in validation
+        assert page.count("<polyline") == 3 + 3  # reward, length, tools: each split
+    finally:
+        await client.close()

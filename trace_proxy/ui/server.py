@@ -1,0 +1,534 @@
+"""`trace-proxy ui`: the rollout viewer, an aiohttp app over `StoreIndex`.
+
+Pages are rendered on the server by Jinja2 with autoescaping on: every string a record holds
+came from a model or a client, so it reaches the page only escaped. The Content-Security-Policy
+allows only the viewer's own script and style, so even markup that slipped through could not
+run. Requests whose Host is not the address served are refused while it listens on loopback,
+so a web page cannot read the store through a rebound DNS name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import math
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, urlencode
+
+import jinja2
+import orjson
+from aiohttp import web
+
+from trace_proxy.trajectories.prompts import transcript_of
+from trace_proxy.ui import views
+from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
+
+GROUPS_PER_PAGE = 50
+DASH = "\u2013"  # shown for a missing value
+MAX_COMPARED = 8
+STATIC = {  # every file the viewer serves besides its pages: fixed names, no path from a URL
+    "viewer.css": "text/css",
+    "viewer.js": "text/javascript",
+}
+SECURITY_HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; "
+    "img-src 'self' data:; connect-src 'self'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+SORTS = {
+    "sample": "sample",
+    "reward": "mean reward, high first",
+    "-reward": "mean reward, low first",
+    "spread": "reward spread, widest first",
+    "errors": "errors first",
+}
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def run_url(run: Run) -> str:
+    project, experiment = quote(run.project_dir, safe=""), quote(run.experiment_dir, safe="")
+    return f"/run/{run.store}/{project}/{experiment}"
+
+
+def ids_query(entries: Sequence[Entry]) -> str:
+    return urlencode([("id", e.id) for e in entries])
+
+
+def step_name(key: StepKey) -> str:
+    validate, step = key
+    return f"{'validate-' if validate else ''}{'none' if step is None else step}"
+
+
+def parse_step_name(name: str) -> StepKey | None:
+    validate = name.startswith("validate-")
+    rest = name.removeprefix("validate-")
+    if rest == "none":
+        return (validate, None)
+    if rest.isdigit() or (rest.startswith("-") and rest[1:].isdigit()):
+        return (validate, int(rest))
+    return None
+
+
+def _environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.PackageLoader("trace_proxy.ui", "templates"),
+        autoescape=True,
+        undefined=jinja2.ChainableUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(
+        marked=views.marked, num=_num, when=_when, secs=_secs, step_name=step_name,
+        message_text=views.message_text, json=_json_text,
+    )  # fmt: skip
+    env.globals.update(run_url=run_url, urlencode=urlencode, sorts=SORTS, ids_query=ids_query)
+    return env
+
+
+class Viewer:
+    """The app's state: the index, the templates, the address served."""
+
+    def __init__(self, index: StoreIndex, piece: views.Piece | None = None) -> None:
+        self.index = index
+        self.piece = piece  # a token's text, for the logprobs strip
+        self.env = _environment()
+        self.allowed_hosts: set[str] | None = None  # set once listening on loopback
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._guard])
+        app.router.add_get("/", self.runs_page)
+        app.router.add_get("/api/generation", self.generation)
+        app.router.add_get("/static/{name}", self.static)
+        base = "/run/{store:\\d+}/{project}/{experiment}"
+        app.router.add_get(base + "/", self.run_page)
+        app.router.add_get(base + "/step/{step}", self.step_page)
+        app.router.add_get(base + "/t/{id}", self.trajectory_page)
+        app.router.add_get(base + "/t/{id}/raw", self.raw_record)
+        app.router.add_get(base + "/compare", self.compare_page)
+        return app
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.allowed_hosts is not None and request.host.lower() not in self.allowed_hosts:
+            return web.Response(status=421, text="this viewer answers only on its own address\n")
+        if request.method not in ("GET", "HEAD"):
+            return web.Response(status=405, text="read only\n")
+        try:
+            response = await handler(request)
+        except web.HTTPException as exc:
+            exc.headers.update(SECURITY_HEADERS)
+            raise
+        response.headers.update(SECURITY_HEADERS)
+        return response
+
+    async def _refreshed(self) -> int:
+        return await asyncio.to_thread(self.index.refresh)
+
+    def _render(self, template: str, **context: Any) -> web.Response:
+        page = self.env.get_template(template).render(
+            generation=self.index.generation, stores=[str(s) for s in self.index.stores],
+            **context,
+        )  # fmt: skip
+        return web.Response(text=page, content_type="text/html", charset="utf-8")
+
+    def _run(self, request: web.Request) -> Run:
+        info = request.match_info
+        run = self.index.run((int(info["store"]), info["project"], info["experiment"]))
+        if run is None:
+            raise web.HTTPNotFound(text="no such run in the stores served\n")
+        return run
+
+    # --- pages -------------------------------------------------------------------------------
+
+    async def runs_page(self, request: web.Request) -> web.Response:
+        await self._refreshed()
+        with self.index.lock:
+            runs = sorted(self.index.runs.values(), key=lambda r: r.ref)
+            rows = [_run_row(run) for run in runs]
+        return self._render("runs.html", rows=rows)
+
+    async def run_page(self, request: web.Request) -> web.Response:
+        await self._refreshed()
+        with self.index.lock:
+            run = self._run(request)
+            rows = [_step_row(key, run.steps[key]) for key in run.step_keys()]
+            train = [r for r in rows if not r["validate"]]
+            validation = [r for r in rows if r["validate"]]
+            row = _run_row(run)
+        return self._render(
+            "run.html", run=run, row=row, train=train, validation=validation,
+            plots=_plots(train), validation_plots=_plots(validation),
+        )  # fmt: skip
+
+    async def step_page(self, request: web.Request) -> web.Response:
+        await self._refreshed()
+        key = parse_step_name(request.match_info["step"])
+        query = request.query
+        with self.index.lock:
+            run = self._run(request)
+            step = run.steps.get(key) if key is not None else None
+            if key is None or step is None:
+                raise web.HTTPNotFound(text="no such step in this run\n")
+            entries = list(step.entries)
+            summary = step.summary
+            other = (not key[0], key[1])
+            other_exists = other in run.steps
+        split = query.get("split")
+        if split in ("training", "validation") and (split == "validation") != key[0]:
+            if not other_exists:
+                raise web.HTTPNotFound(text=f"this step has no {split} trajectories\n")
+            rest = [(k, v) for k, v in query.items() if k not in ("split", "page")]
+            raise web.HTTPFound(
+                f"{run_url(run)}/step/{step_name(other)}" + (f"?{urlencode(rest)}" if rest else "")
+            )
+        text = query.get("q", "").strip()
+        matching = await asyncio.to_thread(self.index.search, entries, text) if text else None
+        status = query.get("status", "")
+        low, high = _float_arg(query.get("min")), _float_arg(query.get("max"))
+
+        def keep(entry: Entry) -> bool:
+            if matching is not None and entry.id not in matching:
+                return False
+            if status and entry.status != status:
+                return False
+            if low is not None and (entry.reward is None or entry.reward < low):
+                return False
+            return high is None or (entry.reward is not None and entry.reward <= high)
+
+        groups = views.groups_of(entries)
+        by_reward = query.get("order") == "reward"
+        for group in groups:
+            shown = [e for e in group.rollouts if keep(e)]
+            if by_reward:
+                shown.sort(key=lambda e: -math.inf if e.reward is None else -e.reward)
+            group.shown = shown
+        groups = [g for g in groups if g.shown]
+        sort = query.get("sort", "sample")
+        _sort_groups(groups, sort)
+        page = max(1, int(_float_arg(query.get("page")) or 1))
+        pages = max(1, math.ceil(len(groups) / GROUPS_PER_PAGE))
+        page = min(page, pages)
+        shown_groups = groups[(page - 1) * GROUPS_PER_PAGE : page * GROUPS_PER_PAGE]
+        filters = {k: v for k, v in query.items() if k != "page" and v}
+        return self._render(
+            "step.html", run=run, key=key, summary=summary, groups=shown_groups,
+            total_groups=len(groups), total=len(entries),
+            shown=sum(len(g.shown) for g in groups), page=page, pages=pages,
+            filters=filters, other=other if other_exists else None, query=query,
+            widest=max((len(g.shown) for g in shown_groups), default=0),
+        )  # fmt: skip
+
+    async def trajectory_page(self, request: web.Request) -> web.Response:
+        await self._refreshed()
+        with self.index.lock:
+            run = self._run(request)
+            entry = run.by_id.get(request.match_info["id"])
+            if entry is None:
+                raise web.HTTPNotFound(text="no such trajectory in this run\n")
+            siblings = sorted(
+                (e for e in run.steps[(entry.validate, entry.step)].entries
+                 if e.group == entry.group),
+                key=views.rollout_order,
+            )  # fmt: skip
+        record = await asyncio.to_thread(self.index.read_record, entry)
+        view = views.trajectory_view(record, self.piece)
+        return self._render(
+            "trajectory.html", run=run, entry=entry, t=view, siblings=siblings,
+            transcript=transcript_of(record),
+            key=(entry.validate, entry.step), timeline=_timeline(view),
+        )  # fmt: skip
+
+    async def raw_record(self, request: web.Request) -> web.Response:
+        await self._refreshed()
+        with self.index.lock:
+            run = self._run(request)
+            entry = run.by_id.get(request.match_info["id"])
+            if entry is None:
+                raise web.HTTPNotFound(text="no such trajectory in this run\n")
+        record = await asyncio.to_thread(self.index.read_record, entry)
+        body = orjson.dumps(record, option=orjson.OPT_INDENT_2)
+        return web.Response(body=body, content_type="application/json")
+
+    async def compare_page(self, request: web.Request) -> web.Response:
+        await self._refreshed()
+        ids = request.query.getall("id", [])
+        with self.index.lock:
+            run = self._run(request)
+            entries = [run.by_id[i] for i in dict.fromkeys(ids) if i in run.by_id]
+        if len(entries) < 2:
+            raise web.HTTPBadRequest(text="name two or more trajectories of this run: ?id=…&id=…\n")
+        entries = entries[:MAX_COMPARED]
+        records = await asyncio.to_thread(lambda: [self.index.read_record(e) for e in entries])
+        trajectories = [views.trajectory_view(r, self.piece) for r in records]
+        divergence = views.first_divergence(trajectories)
+        rows = max(len(t.turns) for t in trajectories)
+        return self._render(
+            "compare.html", run=run, entries=entries, trajectories=trajectories,
+            divergence=divergence, rows=rows, split_at=views.split_at,
+            key=(entries[0].validate, entries[0].step),
+        )  # fmt: skip
+
+    async def generation(self, request: web.Request) -> web.Response:
+        return web.json_response({"generation": await self._refreshed()})
+
+    async def static(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        if name not in STATIC:
+            raise web.HTTPNotFound()
+        data = resources.files("trace_proxy.ui").joinpath("static").joinpath(name).read_bytes()
+        return web.Response(body=data, content_type=STATIC[name])
+
+
+# --- page data -------------------------------------------------------------------------------
+
+
+def _run_row(run: Run) -> dict[str, Any]:
+    span = run.time_span()
+    train = [k for k in run.steps if not k[0]]
+    return {
+        "run": run, "url": run_url(run), "steps": len(train),
+        "validation_steps": len(run.steps) - len(train), "trajectories": run.trajectories,
+        "calls": run.calls, "prompt_tokens": run.prompt_tokens,
+        "completion_tokens": run.completion_tokens, "errors": run.errors,
+        "events": len(run.events), "unreadable": run.unreadable,
+        "start": span[0] if span else None, "end": span[1] if span else None,
+    }  # fmt: skip
+
+
+def _step_row(key: StepKey, step: Any) -> dict[str, Any]:
+    stats = step.stats
+    summary = step.summary or {}
+    return {
+        "key": key, "validate": key[0], "step": key[1], "name": step_name(key),
+        "trajectories": stats.trajectories, "seen": summary.get("trajectories_seen"),
+        "kept": summary.get("trajectories_kept"), "reward_mean": stats.reward_mean,
+        "reward_std": stats.reward_std, "rewarded": stats.rewarded,
+        "length": stats.per_trajectory(stats.completion_tokens),
+        "turns": stats.per_trajectory(stats.turns),
+        "tool_calls": stats.per_trajectory(stats.tool_calls),
+        "tool_errors": stats.tool_errors, "errors": stats.errors,
+    }  # fmt: skip
+
+
+def _plots(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Small line plots across steps: reward (mean, with a band of one standard deviation),
+    response length and tool calls per trajectory."""
+    numbered = [r for r in rows if r["step"] is not None]
+    if len(numbered) < 1:
+        return []
+    plots = []
+    for field, title in (
+        ("reward_mean", "reward (mean ± sd)"),
+        ("length", "response tokens per trajectory"),
+        ("tool_calls", "tool calls per trajectory"),
+    ):
+        points = [(r["step"], r[field], r["reward_std"] or 0.0) for r in numbered
+                  if r[field] is not None]  # fmt: skip
+        if points:
+            plots.append(_plot(title, points, band=field == "reward_mean"))
+    return plots
+
+
+PLOT_W, PLOT_H, PAD = 300.0, 90.0, 6.0
+
+
+def _plot(title: str, points: list[tuple[int, float, float]], band: bool) -> dict[str, Any]:
+    xs = [p[0] for p in points]
+    lows = [p[1] - (p[2] if band else 0) for p in points]
+    highs = [p[1] + (p[2] if band else 0) for p in points]
+    x0, x1 = min(xs), max(xs)
+    y0, y1 = min(lows), max(highs)
+    if y1 - y0 < 1e-12:
+        y0, y1 = y0 - 1, y1 + 1
+
+    def x(step: float) -> float:
+        return PAD + (PLOT_W - 2 * PAD) * ((step - x0) / (x1 - x0) if x1 > x0 else 0.5)
+
+    def y(value: float) -> float:
+        return PLOT_H - PAD - (PLOT_H - 2 * PAD) * (value - y0) / (y1 - y0)
+
+    dots = [{"x": x(s), "y": y(v), "label": f"step {s}: {_num(v)}"} for s, v, _ in points]
+    line = " ".join(f"{d['x']:.1f},{d['y']:.1f}" for d in dots)
+    area = ""
+    if band:
+        top = [f"{x(s):.1f},{y(v + sd):.1f}" for s, v, sd in points]
+        bottom = [f"{x(s):.1f},{y(v - sd):.1f}" for s, v, sd in reversed(points)]
+        area = " ".join(top + bottom)
+    return {"title": title, "line": line, "area": area, "dots": dots, "w": PLOT_W, "h": PLOT_H,
+            "low": _num(y0), "high": _num(y1), "first": x0, "last": x1}  # fmt: skip
+
+
+def _timeline(view: views.Trajectory) -> dict[str, Any]:
+    width, row = 900.0, 18.0
+    total = max(view.duration, max((s.end or s.start for s in view.spans), default=0.0), 1e-6)
+
+    def x(t: float) -> float:
+        return 120.0 + (width - 130.0) * max(0.0, t) / total
+
+    bars = []
+    for n, span in enumerate(view.spans):
+        end = span.end if span.end is not None else total
+        bars.append({
+            "span": span, "y": n * row + 2, "x": x(span.start),
+            "w": max(1.5, x(end) - x(span.start)),
+            "fb": None if span.first_byte is None else x(span.first_byte),
+            "label": f"{span.kind} {span.label}",
+            "title": f"{span.kind} {span.label}: {span.start:.3f}s → "
+            + ("?" if span.end is None else f"{span.end:.3f}s ({span.end - span.start:.3f}s)")
+            + ("" if span.first_byte is None else f", first byte {span.first_byte:.3f}s"),
+        })  # fmt: skip
+    return {"bars": bars, "width": width, "height": len(bars) * row + 20, "total": total,
+            "axis_y": len(bars) * row + 14}  # fmt: skip
+
+
+def _sort_groups(groups: list[views.Group], sort: str) -> None:
+    def mean(group: views.Group, missing: float) -> float:
+        value = group.reward_mean
+        return missing if value is None else value
+
+    if sort == "reward":
+        groups.sort(key=lambda g: -mean(g, -math.inf))
+    elif sort == "-reward":
+        groups.sort(key=lambda g: mean(g, math.inf))
+    elif sort == "spread":
+        groups.sort(key=lambda g: -g.reward_spread)
+    elif sort == "errors":
+        groups.sort(key=lambda g: -sum(e.status != "ok" for e in g.rollouts))
+
+
+# --- formatting ------------------------------------------------------------------------------
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return DASH
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        if value == int(value) and abs(value) < 1e15:
+            return f"{int(value):,}"
+        return f"{value:.{digits}g}" if abs(value) < 1e5 else f"{value:,.0f}"
+    return str(value)
+
+
+def _when(value: Any) -> str:
+    if not isinstance(value, (int, float)) or not math.isfinite(value):
+        return DASH
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(value)) + " UTC"
+
+
+def _secs(value: Any) -> str:
+    return DASH if not isinstance(value, (int, float)) else f"{value:.2f}s"
+
+
+def _json_text(value: Any) -> str:
+    if isinstance(value, str):
+        try:  # arguments are JSON text: shown indented when they parse
+            return orjson.dumps(orjson.loads(value), option=orjson.OPT_INDENT_2).decode()
+        except orjson.JSONDecodeError:
+            return value
+    return orjson.dumps(value, option=orjson.OPT_INDENT_2 | orjson.OPT_NON_STR_KEYS,
+                        default=str).decode()  # fmt: skip
+
+
+def _float_arg(value: str | None) -> float | None:
+    if not value:
+        return None
+    try:
+        result = float(value)
+    except ValueError:
+        return None
+    return result if math.isfinite(result) else None
+
+
+# --- serving ---------------------------------------------------------------------------------
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+async def start(
+    stores: Sequence[str | Path],
+    host: str = "127.0.0.1",
+    port: int = 8300,
+    piece: views.Piece | None = None,
+) -> tuple[web.AppRunner, str, Viewer]:
+    """Index the stores and listen; returns the runner (to clean up), the URL and the viewer."""
+    index = StoreIndex(stores)
+    await asyncio.to_thread(index.refresh, True)
+    viewer = Viewer(index, piece)
+    runner = web.AppRunner(viewer.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    server = site._server
+    sockets = getattr(server, "sockets", None) or []
+    bound = sockets[0].getsockname()[1] if sockets else port
+    if is_loopback(host):
+        names = {host.lower(), "localhost", "127.0.0.1", "[::1]"}
+        viewer.allowed_hosts = {f"{name}:{bound}" for name in names}
+    shown = f"[{host}]" if ":" in host else host
+    return runner, f"http://{shown}:{bound}/", viewer
+
+
+def token_pieces(source: str) -> views.Piece:
+    """Each token id's text, from a tokenizer (a local directory: nothing is downloaded)."""
+    from trace_proxy.trajectories.token2text import decoder_for, load_tokenizer
+
+    decode = decoder_for(load_tokenizer(source), skip_special_tokens=False)
+    return lambda token: decode([token])
+
+
+def run_ui(stores: Sequence[str], host: str, port: int, tokenizer: str | None = None) -> int:
+    from trace_proxy.trajectories.token2text import TokenizerError
+
+    missing = [s for s in stores if not Path(s).is_dir()]
+    if missing:
+        print(f"trace-proxy: error: not a directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        piece = token_pieces(tokenizer) if tokenizer else None
+    except TokenizerError as exc:
+        print(f"trace-proxy: error: invalid value for --tokenizer: {exc}", file=sys.stderr)
+        return 2
+    print(f"trace-proxy ui: indexing {', '.join(stores)}...", flush=True)
+
+    async def serve() -> int:
+        try:
+            runner, url, _ = await start(stores, host, port, piece)
+        except OSError as exc:
+            print(f"trace-proxy: error: cannot listen on {host}:{port}: {exc.strerror or exc}",
+                  file=sys.stderr)  # fmt: skip
+            return 1
+        print(f"trace-proxy ui: {url}  (stores: {', '.join(stores)}; Ctrl-C stops)", flush=True)
+        if not is_loopback(host):
+            print(f"trace-proxy ui: warning: listening on {host}: whoever can reach this port "
+                  "can read every record of these stores", file=sys.stderr, flush=True)  # fmt: skip
+        stopping = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stopping.set)
+        await stopping.wait()
+        await runner.cleanup()
+        return 0
+
+    return asyncio.run(serve())

@@ -1,0 +1,323 @@
+"""What the viewer's pages show, worked out from stored records: turns, timelines, groups,
+divergence between siblings. Plain data; the templates escape every string of it.
+
+Prompts are shared by prefix in the record (docs/record-schema.md); a turn shows what its
+prompt added (the stored suffix, decoded by token2text when the proxy had a tokenizer) and
+what came back. Full prompts are rebuilt with `expand_prompts` where they are needed.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from markupsafe import Markup, escape
+
+from trace_proxy.trajectories.prompts import common_prefix, expand_prompts
+from trace_proxy.ui.index import Entry, as_dict, as_list
+
+# Chat-template markup that tokenizers keep as special tokens: `<|im_start|>`, `<|eot_id|>`,
+# gpt-oss `<|channel|>`, Qwen/Hermes tool and thinking tags, Llama 2 / Mistral `<s>`, `[INST]`.
+SPECIAL = re.compile(r"<\|[^<>|\s]{1,64}\|>|</?(?:tool_call|tool_response|think)>|</?s>|\[/?INST\]")
+
+
+def marked(text: Any) -> Markup:
+    """`text` escaped, with special tokens wrapped so the page shows them apart."""
+    value = "" if text is None else str(text)
+    pieces: list[str] = []
+    position = 0
+    for match in SPECIAL.finditer(value):
+        pieces.append(str(escape(value[position : match.start()])))
+        pieces.append(f'<span class="special">{escape(match.group())}</span>')
+        position = match.end()
+    pieces.append(str(escape(value[position:])))
+    return Markup("".join(pieces))
+
+
+MAX_TOKENS_SHOWN = 4096  # per output, in the logprobs strip; the raw record has them all
+
+
+@dataclass
+class Output:
+    text: str | None
+    tool_calls: list[dict[str, Any]]
+    finish_reason: str | None
+    reasoning: str | None
+    # (token id, logprob, its text when the viewer has a tokenizer) when logprobs were recorded
+    tokens: list[tuple[int, float | None, str | None]]
+    token_count: int
+
+
+@dataclass
+class Turn:
+    index: int
+    call: dict[str, Any]
+    added_text: str | None  # the decoded prompt suffix
+    added_messages: list[dict[str, Any]]  # chat messages the prompt added
+    prompt_tokens: int  # the full prompt's length
+    outputs: list[Output]
+    tools: list[dict[str, Any]]  # spans this call asked for
+    error: dict[str, Any] | None
+    unparsed: str | None
+
+    @property
+    def response(self) -> str:
+        """The first output as one text: its decoded response, else its text and tool calls."""
+        if not self.outputs:
+            return ""
+        first = self.outputs[0]
+        if first.text is not None:
+            return first.text
+        return " ".join(
+            f"{(c.get('function') or {}).get('name')}({(c.get('function') or {}).get('arguments')})"
+            for c in first.tool_calls
+        )
+
+
+@dataclass
+class Span:
+    kind: str  # generate | tool
+    label: str
+    start: float  # seconds after the trajectory's start
+    end: float | None
+    first_byte: float | None = None
+    error: bool = False
+
+
+@dataclass
+class Trajectory:
+    record: dict[str, Any]
+    turns: list[Turn]
+    early_tools: list[dict[str, Any]]  # tool spans no call asked for (tool servers first)
+    spans: list[Span]
+    duration: float
+
+
+Piece = Callable[[int], str]  # one token id's text
+
+
+def trajectory_view(record: dict[str, Any], piece: Piece | None = None) -> Trajectory:
+    calls = [c for c in record.get("calls") or [] if isinstance(c, dict)]
+    tools = [t for t in record.get("tools") or [] if isinstance(t, dict)]
+    prompts = expand_prompts({"calls": calls})
+    by_caller: dict[Any, list[dict[str, Any]]] = {}
+    for tool in tools:
+        by_caller.setdefault(tool.get("requested_by"), []).append(tool)
+    turns = [
+        _turn(position, call, prompt, by_caller.get(call.get("index"), []), piece)
+        for position, (call, prompt) in enumerate(zip(calls, prompts, strict=True))
+    ]
+    known = {c.get("index") for c in calls}
+    early = [t for caller, group in by_caller.items() if caller not in known for t in group]
+    t0 = _num(record.get("start"))
+    spans = [
+        Span("generate", f"call {c.get('index')}", _num(c.get("start")) - t0,
+             _opt(c.get("end"), t0), _opt(c.get("first_byte"), t0), bool(c.get("error")))
+        for c in calls
+    ] + [
+        Span("tool", str(t.get("name") or t.get("route") or "tool"), _num(t.get("start")) - t0,
+             _opt(t.get("end"), t0), None, bool(t.get("error")))
+        for t in tools
+    ]  # fmt: skip
+    return Trajectory(record, turns, early, spans, max(0.0, _num(record.get("end")) - t0))
+
+
+def _turn(
+    position: int,
+    call: dict[str, Any],
+    full_prompt: dict[str, Any],
+    tools: list[dict[str, Any]],
+    piece: Piece | None,
+) -> Turn:
+    prompt = as_dict(call.get("prompt"))
+    added_text = call.get("prompt_text")
+    if added_text is None and isinstance(prompt.get("text"), str):
+        added_text = prompt["text"]
+    messages = as_list(prompt.get("messages"))
+    ids = full_prompt.get("token_ids")
+    outputs = []
+    for output in call.get("outputs") or []:
+        if not isinstance(output, dict):
+            continue
+        token_ids = as_list(output.get("token_ids"))
+        logprobs = as_list(output.get("logprobs"))
+        tokens: list[tuple[int, float | None, str | None]] = []
+        if logprobs:
+            tokens = [
+                (i, lp if isinstance(lp, (int, float)) else None, _piece(piece, i))
+                for i, lp in zip(token_ids[:MAX_TOKENS_SHOWN], logprobs, strict=False)
+            ]
+        text = output.get("response_text")
+        if text is None:
+            text = output.get("text")
+        outputs.append(
+            Output(
+                text=None if text is None else str(text),
+                tool_calls=[t for t in output.get("tool_calls") or [] if isinstance(t, dict)],
+                finish_reason=_str(output.get("finish_reason")),
+                reasoning=_str(output.get("reasoning")),
+                tokens=tokens,
+                token_count=len(token_ids),
+            )
+        )
+    return Turn(
+        index=position,
+        call=call,
+        added_text=None if added_text is None else str(added_text),
+        added_messages=[m for m in messages if isinstance(m, dict)],
+        prompt_tokens=len(ids) if isinstance(ids, list) else 0,
+        outputs=outputs,
+        tools=tools,
+        error=call.get("error") if isinstance(call.get("error"), dict) else None,
+        unparsed=_str(call.get("unparsed")),
+    )
+
+
+def message_text(message: dict[str, Any]) -> str:
+    """A chat message's content as text (parts joined; tool calls named)."""
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    calls = message.get("tool_calls") or []
+    return " ".join(
+        f"{(c.get('function') or {}).get('name')}({(c.get('function') or {}).get('arguments')})"
+        for c in calls if isinstance(c, dict)
+    )  # fmt: skip
+
+
+# --- comparing siblings ----------------------------------------------------------------------
+
+
+@dataclass
+class Divergence:
+    """Where sibling rollouts first differ: a turn, in its added prompt or its response, and
+    the character (and token, when ids were recorded) where it starts."""
+
+    turn: int
+    where: str  # prompt | response | length (one rollout has no such turn)
+    chars: int
+    tokens: int | None
+
+
+def turn_ids(turn: Turn, part: str) -> list[Any] | None:
+    if part == "prompt":
+        ids = (turn.call.get("prompt") or {}).get("token_ids")
+    else:
+        first = (turn.call.get("outputs") or [{}])[0]
+        ids = first.get("token_ids") if isinstance(first, dict) else None
+    return ids if isinstance(ids, list) else None
+
+
+def first_divergence(rollouts: Sequence[Trajectory]) -> Divergence | None:
+    """The first turn where `rollouts` differ, and where in it; None when they do not."""
+    if len(rollouts) < 2:
+        return None
+    for position in range(max(len(r.turns) for r in rollouts)):
+        if any(position >= len(r.turns) for r in rollouts):
+            return Divergence(position, "length", 0, None)
+        turns = [r.turns[position] for r in rollouts]
+        for part in ("prompt", "response"):
+            texts = [(t.added_text or "") if part == "prompt" else t.response for t in turns]
+            if part == "prompt" and all(t.added_text is None for t in turns):
+                texts = [repr(t.added_messages) for t in turns]
+            ids = [turn_ids(t, part) for t in turns]
+            same_ids = all(i is not None for i in ids) and all(i == ids[0] for i in ids)
+            if all(t == texts[0] for t in texts) and (same_ids or None in ids):
+                continue
+            chars = min(common_prefix(texts[0], t) for t in texts[1:])
+            tokens = None
+            if all(i is not None for i in ids):
+                tokens = min(common_prefix(ids[0] or [], i or []) for i in ids[1:])
+            return Divergence(position, part, chars, tokens)
+    return None
+
+
+def split_at(text: str | None, chars: int) -> tuple[str, str]:
+    value = text or ""
+    return value[:chars], value[chars:]
+
+
+# --- groups of a step ------------------------------------------------------------------------
+
+
+@dataclass
+class Group:
+    name: str
+    rollouts: list[Entry]
+    shown: list[Entry] = field(default_factory=list)  # after filters, in the chosen order
+
+    @property
+    def rewards(self) -> list[float]:
+        return [e.reward for e in self.rollouts if e.reward is not None and math.isfinite(e.reward)]
+
+    @property
+    def reward_mean(self) -> float | None:
+        rewards = self.rewards
+        return sum(rewards) / len(rewards) if rewards else None
+
+    @property
+    def reward_spread(self) -> float:
+        rewards = self.rewards
+        return max(rewards) - min(rewards) if rewards else 0.0
+
+    @property
+    def best(self) -> Entry | None:
+        """The first rollout with the highest reward, when the group's rewards differ."""
+        rewarded = self._rewarded()
+        return max(rewarded, key=lambda e: e.reward or 0.0) if rewarded else None
+
+    @property
+    def worst(self) -> Entry | None:
+        """The first rollout with the lowest reward, when the group's rewards differ."""
+        rewarded = self._rewarded()
+        return min(rewarded, key=lambda e: e.reward or 0.0) if rewarded else None
+
+    def _rewarded(self) -> list[Entry]:
+        rewarded = [e for e in self.rollouts if e.reward is not None and math.isfinite(e.reward)]
+        return rewarded if len({e.reward for e in rewarded}) > 1 else []
+
+
+def rollout_order(entry: Entry) -> tuple[int, int, float]:
+    return (-1 if entry.rollout_n is None else entry.rollout_n, entry.part, entry.start)
+
+
+def group_order(group: Group) -> tuple[int, Any, str]:
+    first = group.rollouts[0]
+    return (0, first.sample_index, "") if first.sample_index is not None else (1, 0, group.name)
+
+
+def groups_of(entries: Sequence[Entry]) -> list[Group]:
+    grouped: dict[str, list[Entry]] = {}
+    for entry in entries:
+        grouped.setdefault(entry.group, []).append(entry)
+    groups = [Group(name, sorted(members, key=rollout_order)) for name, members in grouped.items()]
+    return sorted(groups, key=group_order)
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+
+def _piece(piece: Piece | None, token: Any) -> str | None:
+    if piece is None or not isinstance(token, int) or isinstance(token, bool):
+        return None
+    try:
+        return piece(token)
+    except Exception:  # an id the tokenizer does not know: shown as the id
+        return None
+
+
+def _num(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0
+
+
+def _opt(value: Any, t0: float) -> float | None:
+    return _num(value) - t0 if isinstance(value, (int, float)) else None
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)
