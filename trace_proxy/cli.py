@@ -91,8 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     extra = {k: args.pop(k) for k in ("samples", "rollouts", "steps") if k in args}
     try:
         settings = resolve(command, args)
-        if command == "serve" and not settings.upstream:
-            raise ConfigError("--upstream is required (or TRACE_PROXY_UPSTREAM, or a config file)")
+        if command == "serve" and not settings.upstream and not settings.register_upstreams:
+            raise ConfigError(
+                "--upstream is required (or TRACE_PROXY_UPSTREAM, or a config file), "
+                "unless --register-upstreams"
+            )
     except ConfigError as exc:
         print(f"trace-proxy: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -142,7 +145,7 @@ async def _serve(settings: Settings) -> int:
         await service.stop()
         return 1
     print(
-        f"trace-proxy: forwarding {addresses.proxy} -> {', '.join(settings.upstream)}; "
+        f"trace-proxy: forwarding {addresses.proxy} -> {_targets(settings)}; "
         f"records -> {', '.join(settings.backend)} ({settings.output}); "
         f"metrics at {addresses.admin}/metrics, readiness at {addresses.admin}/ready",
         flush=True,
@@ -168,6 +171,13 @@ async def _serve(settings: Settings) -> int:
     spooled = f"; left in the spool: {_counts(left)}" if left is not None else ""
     print(f"trace-proxy: stopped{spooled}", flush=True)
     return code
+
+
+def _targets(settings: Settings) -> str:
+    targets = list(settings.upstream)
+    if settings.register_upstreams:
+        targets.append("registered upstreams")
+    return ", ".join(targets)
 
 
 def _start_error(error: BaseException) -> str:

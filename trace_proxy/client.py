@@ -30,15 +30,18 @@ def post_reward(
     sample_index: int | None = None,
     rollout_n: int | None = None,
     validate: bool | None = None,
+    done: bool | None = None,
     token: str | None = None,
     timeout: float = 10.0,
 ) -> str:
     """Attach to one trajectory, named by `trajectory_id` or by key; returns where it was
-    (`open`, `waiting`, `exported`, or `unknown` when this proxy never saw it)."""
+    (`open`, `waiting`, `exported`, or `unknown` when this proxy never saw it). `done=True`
+    closes it now (with or without values)."""
     fields = {
         "reward": reward, "score": score, "labels": labels, "trajectory_id": trajectory_id,
         "project": project, "experiment": experiment, "step": step,
         "sample_index": sample_index, "rollout_n": rollout_n, "validate": validate,
+        "done": done,
     }  # fmt: skip
     body = json.dumps({k: v for k, v in fields.items() if v is not None}).encode()
     request = urllib.request.Request(

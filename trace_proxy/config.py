@@ -246,6 +246,10 @@ def _mapping(value: Any) -> str:
 OPTIONS: tuple[Option, ...] = (
     Option("upstream", parse_upstream, [], "inference server to forward to (repeat for several; "
            "calls of one trajectory stick to one upstream)", multiple=True, metavar="URL"),
+    Option("register_upstreams", parse_flag, False, "let holders of --admin-token register "
+           "upstreams on the admin port (PUT /upstreams/ID with {\"url\": \"http://IP:PORT\"}); "
+           "a request names one with X-Trace-Proxy-Upstream: ID, and only those ids are "
+           "reachable (verl's plugin registers its servers this way)", switch=True),
     Option("host", parse_host, "127.0.0.1", "address to listen on (loopback unless told)",
            commands=("serve",)),
     Option("port", parse_port, 8100, "port to listen on (0 picks a free one)"),
@@ -381,6 +385,7 @@ class Settings:
     """The resolved configuration of one proxy process."""
 
     upstream: list[str] = field(default_factory=list)
+    register_upstreams: bool = False
     host: str = "127.0.0.1"
     port: int = 8100
     admin_port: int = 8101
@@ -482,6 +487,11 @@ def resolve(
             continue
         values[opt.name] = _parse(opt, raw, where)
     settings = Settings(**values)
+    if settings.register_upstreams and settings.admin_token is None:
+        raise ConfigError(
+            "invalid value for --register-upstreams: it needs --admin-token (whoever can "
+            "register an upstream decides where the proxy connects)"
+        )
     for prefix in ("", "validate_"):
         if (
             getattr(settings, prefix + "max_samples_per_step") is not None

@@ -103,6 +103,8 @@ def _launch_vllm(provisioned: Provisioned, work_dir: Path) -> _Launched:
         "--model", str(provisioned.model_dir), "--served-model-name", VLLM_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", "--enable-scale-out",
+        # Makes the random model call verl's test tool when offered it; no other prompt changes.
+        "--logits-processors", "verl_harness.scripted_tool_call:ScriptedToolCall",
     ]  # fmt: skip
     server = RealServer(
         base_url=f"http://127.0.0.1:{port}",
@@ -110,7 +112,7 @@ def _launch_vllm(provisioned: Provisioned, work_dir: Path) -> _Launched:
         model_dir=provisioned.model_dir,
         log_path=work_dir / "vllm.log",
     )
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REAL_TESTS_DIR)}
     return _launch("vLLM", cmd, env, server)
 
 

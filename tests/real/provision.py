@@ -1,5 +1,6 @@
-"""Provision what the `real` tests need: a vLLM CPU venv, a `transformers serve` venv, a tiny
-model, and a venv with the RL frameworks' own client code (AReaL, SkyRL, rllm's gateway, openai).
+"""Provision what the `real` tests need: a vLLM CPU venv, a `transformers serve` venv, a verl
+venv, a tiny model, and a venv with the RL frameworks' own client code (AReaL, SkyRL, rllm's
+gateway, openai).
 
 The proxy's claim is byte-exact forwarding of real servers, so its tests run real vLLM and real
 `transformers serve` instead of fakes. Neither can live in the dev venv (torch, 2.5 GB, pins that
@@ -108,6 +109,20 @@ FRAMEWORKS_VENV = VenvSpec(
         "skyrl_train.inference_engines.remote_inference_engine, rllm_model_gateway.server, openai"
     ),
 )
+# verl's agent loop, Ray and its load balancer; cachetools, uvicorn, fastapi and transferqueue
+# are imported by verl 0.9.1 but not declared by its wheel. The proxy's own dependencies too:
+# the plugin starts trace-proxy with this venv's interpreter (the checkout on PYTHONPATH).
+VERL_VENV = VenvSpec(
+    name="verl",
+    packages=(
+        *("verl==0.9.1", "cachetools", "uvicorn", "fastapi", "transferqueue"),
+        *("aiohttp", "httptools", "orjson", "uvloop", "prometheus_client", "pyyaml"),
+    ),
+    smoke=(
+        "import verl.experimental.agent_loop, verl.trainer.ppo.v1.agent_loop_tq, "
+        "verl.workers.rollout.llm_server"
+    ),
+)
 SERVE_VENV = VenvSpec(
     name="serve",
     packages=("transformers[serving]==5.23.0",),
@@ -151,6 +166,7 @@ class Provisioned:
     serve_bin: Path  # the `transformers` CLI of the serve venv
     model_dir: Path
     frameworks_python: Path  # the frameworks' client code (tests/real/frameworks)
+    verl_python: Path
 
 
 def default_cache_dir() -> Path:
@@ -319,13 +335,15 @@ def provision(cache_dir: Path | None = None) -> Provisioned:
     """Make sure everything exists; installs what is missing, the venvs in parallel."""
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
     started = time.monotonic()
-    with locked(cache), ThreadPoolExecutor(max_workers=3) as pool:
+    with locked(cache), ThreadPoolExecutor(max_workers=4) as pool:
         vllm_future: Future[Path] = pool.submit(ensure_venv, cache, VLLM_VENV)
+        verl_future: Future[Path] = pool.submit(ensure_venv, cache, VERL_VENV)
         serve_future = pool.submit(_serve_venv_and_model, cache)
         frameworks_future = pool.submit(ensure_venv, cache, FRAMEWORKS_VENV)
         serve_venv, model_dir = serve_future.result()
         vllm_venv = vllm_future.result()
         frameworks_venv = frameworks_future.result()
+        verl_venv = verl_future.result()
     _log(f"ready in {time.monotonic() - started:.1f} s (cache: {cache})")
     return Provisioned(
         cache_dir=cache,
@@ -333,6 +351,7 @@ def provision(cache_dir: Path | None = None) -> Provisioned:
         serve_bin=serve_venv / "bin" / "transformers",
         model_dir=model_dir,
         frameworks_python=frameworks_venv / "bin" / "python",
+        verl_python=verl_venv / "bin" / "python",
     )
 
 

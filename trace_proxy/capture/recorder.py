@@ -35,7 +35,7 @@ from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
-from trace_proxy.trajectories.rewards import parse_outcome
+from trace_proxy.trajectories.rewards import Outcome, parse_outcome
 from trace_proxy.trajectories.sampler import sampler_of
 from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
@@ -82,6 +82,7 @@ class Recorder:
                 ledger=self.ledger,
             ),
         )
+        self._annotating: set[asyncio.Future[None]] = set()
         self.capture = CaptureStage(
             self.resolver,
             self.assembler,
@@ -284,8 +285,23 @@ class Recorder:
         await flushing
 
     async def annotate(self, payload: Any) -> str:
-        """Attach a reward (RewardError when it is not one): where its trajectory was."""
-        where = self.assembler.annotate(parse_outcome(payload))
+        """Attach a reward (RewardError when it is not one): where its trajectory was, or
+        `queued` for a `done` that waits for the calls forwarded before it to be parsed (it
+        closes what they belong to; the caller, at the end of a rollout, does not wait)."""
+        outcome = parse_outcome(payload)
+        if outcome.done and not self.capture.is_caught_up:
+            task = asyncio.ensure_future(self._annotate_when_caught_up(outcome))
+            self._annotating.add(task)
+            task.add_done_callback(self._annotating.discard)
+            return "queued"
+        return self._annotate(outcome)
+
+    async def _annotate_when_caught_up(self, outcome: Outcome) -> None:
+        await self.capture.caught_up()
+        self._annotate(outcome)
+
+    def _annotate(self, outcome: Outcome) -> str:
+        where = self.assembler.annotate(outcome)
         self.metrics.rewards.labels(where).inc()
         return where
 

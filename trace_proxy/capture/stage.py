@@ -73,6 +73,7 @@ class CaptureStage:
         self._queued = 0  # exchanges put in the queue, ever
         self._processed = 0  # of those, taken out and processed
         self._step_marks: deque[tuple[int, KeyHints]] = deque()
+        self._caught_up: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._newest_step: dict[tuple[Any, Any, bool], int] = {}
 
     def admit(self, exchange: Exchange) -> bool:
@@ -148,6 +149,21 @@ class CaptureStage:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._work()), loop.create_task(self._close_idle())]
 
+    @property
+    def is_caught_up(self) -> bool:
+        return self._processed >= self._queued
+
+    async def caught_up(self) -> None:
+        """Wait until every exchange queued so far is processed (not those queued later:
+        under steady traffic the queue may never be empty). A trajectory's end, told after
+        its last call, thus finds that call assembled."""
+        target = self._queued
+        if self._processed >= target:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._caught_up.append((target, waiter))
+        await waiter
+
     async def drain(self) -> None:
         """Wait until every exchange submitted so far has been parsed and assembled, and every
         trajectory closed meanwhile has been emitted."""
@@ -216,6 +232,11 @@ class CaptureStage:
             self._processed += 1
             if self._step_marks:
                 self._tell_steps()
+            waiting = self._caught_up
+            while waiting and waiting[0][0] <= self._processed:
+                done = waiting.popleft()[1]
+                if not done.done():
+                    done.set_result(None)
             self._queued_bytes -= exchange.size
             self._room.set()
             self._metrics.capture_queue.set(self._queue.qsize())

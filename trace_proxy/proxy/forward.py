@@ -25,7 +25,12 @@ from trace_proxy.proxy.headers import (
 )
 from trace_proxy.proxy.limits import RequestBodyTimeout
 from trace_proxy.proxy.upstream_client import UpstreamClient, UpstreamConnection, UpstreamError
-from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
+from trace_proxy.proxy.upstreams import (
+    UPSTREAM_HEADER,
+    RegisteredUpstreams,
+    Upstream,
+    UpstreamPool,
+)
 
 log = logging.getLogger(__name__)
 STREAM_BODY_ABOVE = 256 * 1024  # bytes; below this, one read beats streaming
@@ -42,9 +47,13 @@ class Forwarder:
         metrics: Metrics,
         tool_routes: dict[str, Upstream] | None = None,
         capture_max_body: int = 128 << 20,
+        registered: RegisteredUpstreams | None = None,
     ) -> None:
         """`capture_max_body`: body bytes of one exchange kept for capture; past it the
-        exchange goes to capture without its bodies (`Exchange.bodies_skipped`)."""
+        exchange goes to capture without its bodies (`Exchange.bodies_skipped`).
+        `registered`: upstreams a request may name by id (`X-Trace-Proxy-Upstream`)."""
+        self._registered = registered
+        self._logged_misdirected = False
         self._tool_routes = tool_routes or {}
         self._max_body = capture_max_body
         self._skipped = children(metrics.capture_skipped_bodies)
@@ -82,10 +91,18 @@ class Forwarder:
             tool_prefix = ""
             path = parsed_as or path
             kind = classify(request.method, path)
-            affinity = ""
-            if self._pool.sticky:
-                affinity = self._resolver.affinity_key(request.headers, path_items)
-            upstream = self._pool.acquire(affinity)
+            named = request.headers.get(UPSTREAM_HEADER)
+            if named is not None or not self._pool.upstreams:
+                chosen = self._registered.get(named) if self._registered and named else None
+                if chosen is None:
+                    return self._misdirected(kind, named)
+                upstream = chosen
+                upstream.in_flight += 1
+            else:
+                affinity = ""
+                if self._pool.sticky:
+                    affinity = self._resolver.affinity_key(request.headers, path_items)
+                upstream = self._pool.acquire(affinity)
         in_flight = self._in_flight(upstream.base)
         in_flight.inc()
         exchange = None
@@ -111,6 +128,24 @@ class Forwarder:
                 if exchange.bodies_skipped is not None:
                     self._skipped_body(exchange.bodies_skipped)
                 self._submit(exchange)
+
+    def _misdirected(self, kind: RouteKind, named: str | None) -> web.Response:
+        """421, not forwarded: the request names no upstream this proxy was given (by its
+        command line, or registered over the admin port). Nothing a request says can send it
+        anywhere else."""
+        self._requests(kind.value, "4xx").inc()
+        if named is None:
+            message = (
+                "trace-proxy: no upstream is configured; "
+                f"name a registered one in {UPSTREAM_HEADER}"
+            )
+        else:
+            message = f"trace-proxy: {UPSTREAM_HEADER} names no registered upstream"
+        if not self._logged_misdirected:
+            self._logged_misdirected = True
+            log.warning("%s (logged once; every time is counted as a 4xx request)", message)
+        payload = {"error": {"message": message, "type": "misdirected_request", "code": 421}}
+        return web.Response(status=421, body=orjson.dumps(payload), content_type="application/json")
 
     def _skipped_body(self, reason: str) -> None:
         self._skipped("body_too_large").inc()

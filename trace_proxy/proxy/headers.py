@@ -17,9 +17,11 @@ HOP_BY_HOP = frozenset(
         "upgrade", "proxy-authenticate", "proxy-authorization",
     }
 )  # fmt: skip
-# Set by the upstream client for the connection itself, or answered by this proxy.
+# Set by the upstream client for the connection itself, answered by this proxy, or naming
+# the upstream to this proxy (proxy/upstreams.py).
 NOT_FORWARDED_UPSTREAM = frozenset(
-    name.encode() for name in HOP_BY_HOP | {"host", "expect", "x-forwarded-for"}
+    name.encode()
+    for name in HOP_BY_HOP | {"host", "expect", "x-forwarded-for", "x-trace-proxy-upstream"}
 )
 Fields = list[tuple[bytes, bytes]]
 

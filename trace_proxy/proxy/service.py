@@ -37,7 +37,12 @@ from trace_proxy.metrics import Metrics, exposition
 from trace_proxy.proxy.forward import Forwarder
 from trace_proxy.proxy.limits import ClientLimits, LimitedServer, Rejections
 from trace_proxy.proxy.upstream_client import UpstreamClient
-from trace_proxy.proxy.upstreams import Upstream, UpstreamPool
+from trace_proxy.proxy.upstreams import (
+    RegisteredUpstreams,
+    RegistrationError,
+    Upstream,
+    UpstreamPool,
+)
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
 from trace_proxy.trajectories.token2text import check_configured
 
@@ -55,11 +60,12 @@ class Addresses:
 class ProxyService:
     def __init__(self, settings: Settings, exporters: list[Exporter] | None = None) -> None:
         """Exporter objects (tests, embedding) run inline, and so does capture then."""
-        if not settings.upstream:
-            raise ValueError("at least one --upstream is required")
+        if not settings.upstream and not settings.register_upstreams:
+            raise ValueError("at least one --upstream is required (or --register-upstreams)")
         self.settings = settings
         self.metrics = Metrics()
         self.pool = UpstreamPool(settings.upstream)
+        self.registered = RegisteredUpstreams() if settings.register_upstreams else None
         self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
         self.recorder: Recorder | CaptureProcess
         if exporters is None and settings.capture_mode == "process":
@@ -168,6 +174,7 @@ class ProxyService:
             self.metrics,
             tool_routes=self.tool_routes,
             capture_max_body=min(settings.capture_max_body, self._capture_budget),
+            registered=self.registered,
         )
         await self.recorder.start()
         limits = ClientLimits(
@@ -243,7 +250,43 @@ class ProxyService:
         app.router.add_get("/health", self._health_endpoint)
         app.router.add_get("/ready", self._ready_endpoint)
         app.router.add_post("/rewards", self._rewards_endpoint)
+        app.router.add_get("/upstreams", self._upstreams_endpoint)
+        app.router.add_put("/upstreams/{id}", self._register_endpoint)
+        app.router.add_delete("/upstreams/{id}", self._unregister_endpoint)
         return app
+
+    def _registration(self) -> RegisteredUpstreams:
+        if self.registered is None:
+            raise web.HTTPForbidden(
+                body=orjson.dumps({"error": "this proxy was started without --register-upstreams"}),
+                content_type="application/json",
+            )
+        return self.registered
+
+    async def _upstreams_endpoint(self, request: web.Request) -> web.Response:
+        """The fixed upstreams and the registered ones, by id."""
+        registered = self.registered.listing() if self.registered is not None else None
+        body = {"fixed": [u.base for u in self.pool.upstreams], "registered": registered}
+        return web.json_response(body)
+
+    async def _register_endpoint(self, request: web.Request) -> web.Response:
+        """Register (or move) one upstream: `{"url": "http://IP:PORT"}`; needs the token."""
+        registered = self._registration()
+        try:
+            body = orjson.loads(await request.read())
+            if not isinstance(body, dict):
+                raise RegistrationError("the body must be a JSON object with 'url'")
+            upstream = registered.register(request.match_info["id"], body.get("url"))
+        except orjson.JSONDecodeError as exc:
+            return web.json_response({"error": f"the body is not JSON: {exc}"}, status=400)
+        except RegistrationError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        log.info("registered upstream %s -> %s", request.match_info["id"], upstream.base)
+        return web.json_response({"id": request.match_info["id"], "url": upstream.base})
+
+    async def _unregister_endpoint(self, request: web.Request) -> web.Response:
+        removed = self._registration().remove(request.match_info["id"])
+        return web.json_response({"removed": removed}, status=200 if removed else 404)
 
     async def _rewards_endpoint(self, request: web.Request) -> web.Response:
         """Attach a reward, score or labels to a trajectory (see trajectories/rewards.py)."""
@@ -277,6 +320,7 @@ class ProxyService:
         status: dict[str, Any] = {
             "status": "ok",
             "upstreams": [{"url": u.base, "in_flight": u.in_flight} for u in self.pool.upstreams],
+            "registered_upstreams": len(self.registered) if self.registered is not None else None,
             "open_trajectories": self.recorder.open_count,
             "backends": self.recorder.backends,
         }

@@ -1,14 +1,23 @@
-"""The fixed set of upstreams: trajectory affinity, else the least loaded one.
+"""The upstreams a request may reach: the fixed set, and the set registered by the operator.
 
 All calls of one trajectory go to the upstream that served its first call, so the server's
 prefix cache holds the growing context; new trajectories go where the fewest requests are in
-flight. The set comes from configuration only: no request can add to it.
+flight. The fixed set comes from configuration only. The registered set (`--register-upstreams`)
+is changed only over the admin port, with its token: a request may name a registered upstream
+by its id (`X-Trace-Proxy-Upstream`), which is looked up, never connected to as an address.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from collections import OrderedDict
 from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+UPSTREAM_HEADER = "X-Trace-Proxy-Upstream"
+MAX_REGISTERED = 4096
+_ID = re.compile(r"[A-Za-z0-9\[][A-Za-z0-9._:\[\]-]{0,127}")
 
 
 @dataclass(eq=False)
@@ -19,8 +28,7 @@ class Upstream:
 
 class UpstreamPool:
     def __init__(self, urls: list[str], max_affinity: int = 200_000) -> None:
-        if not urls:
-            raise ValueError("at least one upstream is required")
+        """`urls` may be empty only when every request names a registered upstream."""
         self.upstreams = [Upstream(url) for url in urls]
         self._affinity: OrderedDict[str, Upstream] = OrderedDict()
         self._max_affinity = max_affinity
@@ -61,3 +69,70 @@ class UpstreamPool:
             if len(self._affinity) > self._max_affinity:
                 self._affinity.popitem(last=False)
         return best
+
+
+class RegistrationError(ValueError):
+    """A registration the proxy refuses; the message says what to fix."""
+
+
+def registered_url(value: object) -> str:
+    """`http://IP:PORT[/path]`: an IP literal, so that what was registered is what is
+    connected to (a host name could resolve elsewhere later)."""
+    if not isinstance(value, str):
+        raise RegistrationError("'url' must be a string")
+    url = value.rstrip("/")
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or parts.query or parts.fragment:
+        raise RegistrationError(f"{value!r} is not an http(s)://IP:PORT[/path] URL")
+    if parts.username is not None or parts.password is not None:
+        raise RegistrationError(f"{value!r}: credentials do not belong in an upstream URL")
+    try:
+        ipaddress.ip_address(parts.hostname or "")
+        port = parts.port
+    except ValueError:
+        raise RegistrationError(
+            f"{value!r}: the host must be an IP address and the port a number"
+        ) from None
+    if port is None or port == 0:
+        raise RegistrationError(f"{value!r}: the port must be given")
+    return url
+
+
+class RegisteredUpstreams:
+    """Upstreams the operator (or a trainer holding the admin token) registered by id."""
+
+    def __init__(self, limit: int = MAX_REGISTERED) -> None:
+        self._by_id: dict[str, Upstream] = {}
+        self._limit = limit
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def register(self, upstream_id: str, url: object) -> Upstream:
+        """Add or move one upstream; a re-registration keeps its in-flight count when the
+        URL is the same."""
+        if not _ID.fullmatch(upstream_id):
+            raise RegistrationError(
+                f"{upstream_id[:140]!r} is not an upstream id (1-128 letters, digits, "
+                "'.', '_', ':', '[', ']' or '-')"
+            )
+        base = registered_url(url)
+        known = self._by_id.get(upstream_id)
+        if known is not None and known.base == base:
+            return known
+        if known is None and len(self._by_id) >= self._limit:
+            raise RegistrationError(f"at most {self._limit} upstreams can be registered")
+        upstream = Upstream(base)
+        self._by_id[upstream_id] = upstream
+        return upstream
+
+    def remove(self, upstream_id: str) -> bool:
+        return self._by_id.pop(upstream_id, None) is not None
+
+    def get(self, upstream_id: str) -> Upstream | None:
+        """The upstream registered under this id, or None: a request's value is a name
+        looked up here, nothing more."""
+        return self._by_id.get(upstream_id)
+
+    def listing(self) -> dict[str, str]:
+        return {upstream_id: u.base for upstream_id, u in self._by_id.items()}

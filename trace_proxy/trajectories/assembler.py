@@ -333,7 +333,8 @@ class Assembler:
 
     def annotate(self, outcome: Outcome) -> str:
         """Attach a reward/score/labels: `open`, `waiting`, `exported` or `unknown` (recorded
-        all the same) says where the trajectory was."""
+        all the same) says where the trajectory was. `done` closes the trajectory it names
+        by `trajectory_id` or by its whole key, when open."""
         target = outcome.target
         project = target.get("project", self._project)
         direct: tuple[Any, ...] | None = None
@@ -353,10 +354,19 @@ class Assembler:
                 for t in self._closing.values()
                 if (self._identity(t.key) == direct if direct else matches(t.key, target))
             ]
-        for trajectory in hits:
-            trajectory.outcomes.append(outcome)
+        if outcome.done and direct is not None and direct in self._open:
+            trajectory = self._open.pop(direct)
+            if outcome.attaches:
+                trajectory.outcomes.append(outcome)
+            self._close(trajectory, "done")
+            return "open"
+        if outcome.attaches:
+            for trajectory in hits:
+                trajectory.outcomes.append(outcome)
         if hits:
             return "open"
+        if not outcome.attaches:  # a `done` for nothing open: nothing to record
+            return "unknown"
         if self._gate is None:
             return "unknown"
         return self._gate.annotate(outcome, project, target.get("experiment", self._experiment))

@@ -2,10 +2,11 @@
 
 verl's rollout trace has no reward: the reward is computed after the rollout, in the trainer.
 Here the trainer (or a reward worker) posts it to the proxy's admin port, naming the trajectory
-by `trajectory_id` or by key (experiment, step, sample_index, rollout_n, validate). A trajectory
-still open or waiting for its step gets the values on its own record; one already exported gets
-an `annotation` record next to it that readers apply; a target not seen here (another replica)
-is still recorded, so nothing posted is lost.
+by `trajectory_id` or by key (experiment, step, sample_index, rollout_n, validate); `done`
+closes an open trajectory at once (a framework that knows when a rollout ended says so). A
+trajectory still open or waiting for its step gets the values on its own record; one already
+exported gets an `annotation` record next to it that readers apply; a target not seen here
+(another replica) is still recorded, so nothing posted is lost.
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class Outcome:
     reward: float | None = None
     score: float | None = None
     labels: dict[str, Any] = field(default_factory=dict)
+    done: bool = False  # the trajectory has ended: close it now, without waiting for idleness
+
+    @property
+    def attaches(self) -> bool:
+        """Whether there is a value to record (a `done` alone only closes)."""
+        return self.reward is not None or self.score is not None or bool(self.labels)
 
 
 def parse_outcome(body: Any) -> Outcome:
@@ -70,8 +77,12 @@ def parse_outcome(body: Any) -> Outcome:
         if not isinstance(value, (str, int, float, bool)) and value is not None:
             raise RewardError(f"label {name!r} must be a string, number, boolean or null")
     outcome.labels = dict(labels)
-    if outcome.reward is None and outcome.score is None and not outcome.labels:
-        raise RewardError("nothing to attach: give 'reward', 'score' or 'labels'")
+    done = body.get("done", False)
+    if not isinstance(done, bool):
+        raise RewardError("'done' must be true or false")
+    outcome.done = done
+    if not outcome.attaches and not done:
+        raise RewardError("nothing to attach: give 'reward', 'score', 'labels' or 'done'")
     return outcome
 
 

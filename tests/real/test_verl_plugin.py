@@ -1,0 +1,137 @@
+"""verl 0.9.1's agent loop traced by configuration alone, on CPU: real verl, real Ray, real vLLM.
+
+A full `main_ppo` cannot run here (its FSDP actor and its vLLM server actors need GPUs), so
+`verl_harness/run.py`, in verl's own venv, drives the agent-loop manager exactly as verl's
+legacy trainer does: verl's config composed from its `ppo_trainer.yaml` with overrides, the
+manager class loaded by verl's `load_class_from_fqn` from
+`actor_rollout_ref.rollout.agent.agent_loop_manager_class` and built with `create(...)`, verl's
+real agent-loop workers (single-turn and tool agent loops, n = 2), load balancer, LLM client
+and reward-loop workers (a custom reward function), two training steps and a validation pass.
+The same is done for verl's default (v1) trainer's manager, `AgentLoopManagerTQ`: one row per
+prompt, n sessions, outputs read back from TransferQueue as its replay buffer reads them; its
+plugin manager uses the first one's proxy by URL, as with a sidecar.
+The one stand-in is verl's GPU server actor (`verl_harness/server.py`), which asks the real
+vLLM CPU server token-in/token-out. The same batches are generated twice, by verl's own
+manager and through the plugin (which starts its own trace-proxy), and compared.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from .conftest import REAL_TESTS_DIR, RealServer
+from .provision import provision
+
+REPO = REAL_TESTS_DIR.parent.parent
+RUN_TIMEOUT_S = 1500.0
+STEPS = (1, 2)
+SAMPLES = 4  # three single-turn prompts, then one that gets the tool
+N = 2
+TOOL_SAMPLE = 3
+
+
+def _records(work: Path, trainer: str) -> list[dict[str, Any]]:
+    """The trajectories of one trainer's run: both runs share the proxy the first started."""
+    experiment = "cpu-agent-loop" + ("-v1" if trainer else "")
+    found = []
+    for path in sorted((work / "traces").rglob("*.jsonl")):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            if record.get("record") == "trajectory" and record["key"]["experiment"] == experiment:
+                found.append(record)
+    return found
+
+
+@pytest.fixture(scope="module")
+def verl_run(real_vllm: RealServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    work = tmp_path_factory.mktemp("verl")
+    (work / "vllm-url").write_text(real_vllm.base_url)
+    provisioned = provision()
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REAL_TESTS_DIR}",
+           "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}  # fmt: skip
+    log = work / "run.log"
+    command = [str(provisioned.verl_python), "-m", "verl_harness.run", real_vllm.base_url,
+               str(real_vllm.model_dir), str(work)]  # fmt: skip
+    with log.open("wb") as out:
+        run = subprocess.run(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=RUN_TIMEOUT_S
+        )
+    code = run.returncode
+    if code != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+        pytest.fail(f"the verl run exited {code}; last lines of {log}:\n{tail}", pytrace=False)
+    return work
+
+
+TRAINERS = pytest.mark.parametrize(
+    "trainer", ["", "v1-"], ids=["legacy (AgentLoopManager)", "v1 (AgentLoopManagerTQ)"]
+)
+
+
+@TRAINERS
+def test_batches_equal_verls_own(verl_run: Path, trainer: str) -> None:
+    """verl gets back exactly what its own path gives: responses, masks, log probs, rewards,
+    turns, the global_steps it expects; and the plugin's calls all went over HTTP."""
+    own = json.loads((verl_run / f"batches-{trainer}verl.json").read_text())
+    traced = json.loads((verl_run / f"batches-{trainer}plugin.json").read_text())
+    for name in ("step1", "step2", "validate"):
+        assert own[name]["responses"]
+        for field, value in own[name].items():
+            assert traced[name][field] == value, (name, field)
+    assert own["step1"]["num_turns"][TOOL_SAMPLE * N] > 2  # the tool loop did run a tool
+    assert own["server_calls"] > 0  # verl's own path reached its server actor
+    assert traced["server_calls"] == 0  # every generate of the plugin went through the proxy
+
+
+@TRAINERS
+def test_store_holds_every_rollout_with_verls_numbers(verl_run: Path, trainer: str) -> None:
+    traced = json.loads((verl_run / f"batches-{trainer}plugin.json").read_text())
+    records = _records(verl_run, trainer)
+    vllm_url = (verl_run / "vllm-url").read_text()
+    keys = sorted(
+        (r["key"]["step"], r["key"]["validate"], r["key"]["sample_index"], r["key"]["rollout_n"])
+        for r in records
+    )
+    expected = sorted(
+        [(step, False, sample, n) for step in STEPS for sample in range(SAMPLES) for n in range(N)]
+        + [(STEPS[-1], True, sample, 0) for sample in range(SAMPLES)]
+    )
+    assert keys == expected  # one trajectory per (step, sample, rollout), validate on the pass
+    rewards = {("validate" if v else f"step{s}", i, n): None for s, v, i, n in keys}
+    for record in records:
+        key = record["key"]
+        assert key["project"] == "verl-plugin-test"
+        for field in ("step", "sample_index", "rollout_n", "validate", "trajectory_id"):
+            assert key["sources"][field].startswith("header:X-Rollout-"), field
+        assert record["close_reason"] == "done"  # closed when verl's agent-loop run ended
+        name = "validate" if key["validate"] else f"step{key['step']}"
+        rewards[(name, key["sample_index"], key["rollout_n"])] = record["reward"]
+        # Each call went to the server verl's load balancer chose (the only one here).
+        assert {call["upstream"] for call in record["calls"]} == {vllm_url}
+    # The reward verl computed is the one recorded, row by row (rows: sample-major, n each).
+    for name in ("step1", "step2", "validate"):
+        n = 1 if name == "validate" else N
+        for row, score in enumerate(traced[name]["rm_scores"]):
+            assert rewards[(name, row // n, row % n)] == pytest.approx(score, abs=1e-6)
+
+
+@TRAINERS
+def test_tool_turns_are_tool_spans(verl_run: Path, trainer: str) -> None:
+    records = [r for r in _records(verl_run, trainer) if r["key"]["sample_index"] == TOOL_SAMPLE]
+    assert records
+    for record in records:
+        assert len(record["calls"]) == 2  # the call that asked for the tool, and the next turn
+        [tool] = record["tools"]
+        assert tool["name"] == "word_count"
+        assert json.loads(tool["arguments"]) == {"text": "one two three"}
+        assert "3 words" in tool["result"]  # what verl's tool returned, seen in the next prompt
+        assert record["calls"][0]["end"] <= tool["start"] <= tool["end"]
+        assert tool["end"] <= record["calls"][1]["start"]
+    single = [r for r in _records(verl_run, trainer) if r["key"]["sample_index"] != TOOL_SAMPLE]
+    assert all(len(r["calls"]) == 1 and not r["tools"] for r in single)

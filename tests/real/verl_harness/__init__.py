@@ -1,0 +1,3 @@
+"""What the verl plugin's real test runs inside verl's venv (Ray, verl's agent loop) and inside
+the real vLLM CPU server (a logits processor). Nothing here is imported by the dev venv's tests
+except through subprocesses."""

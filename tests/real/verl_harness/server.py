@@ -1,0 +1,92 @@
+"""A stand-in for verl's `vLLMHttpServer` Ray actor, in front of the real vLLM CPU server.
+
+verl's own server actor embeds vLLM's engine and needs a GPU; this actor keeps its interface
+(`generate(prompt_ids, sampling_params, request_id, ..., priority)` returning verl's
+`TokenOutput`, `global_steps`, `set_global_steps`) and its semantics as verl 0.9.1 writes them
+in `vllm_async_server.py` `generate`: the default `max_tokens` (response length, capped by
+prompt + response length minus the prompt, and by the context), `logprobs` as 0 or None,
+`repetition_penalty` and `ignore_eos` from the rollout config, finish reasons stop/length as
+"completed" and abort as "aborted", `extra_fields={"global_steps", "num_cached_tokens"}`. The
+engine behind it is the real vLLM, asked token-in/token-out on `/inference/v1/generate`
+directly (never through trace-proxy): this is verl's path without the plugin.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import ray
+from verl.workers.rollout.replica import TokenOutput
+
+
+@ray.remote
+class CpuVllmServer:
+    def __init__(self, base_url: str, rollout: dict[str, Any]) -> None:
+        self.base_url = base_url
+        self.rollout = rollout
+        self.global_steps: int | None = None
+        self.calls = 0
+
+    async def set_global_steps(self, global_steps: int) -> None:
+        self.global_steps = global_steps
+
+    async def generate(
+        self,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        request_id: str,
+        image_data: Any = None,
+        video_data: Any = None,
+        audio_data: Any = None,
+        mm_processor_kwargs: Any = None,
+        priority: int = 0,
+    ) -> TokenOutput:
+        self.calls += 1
+        config = self.rollout
+        room = config["max_model_len"] - len(prompt_ids)
+        if "max_tokens" in sampling_params:
+            max_tokens = sampling_params.pop("max_tokens")
+        elif "max_new_tokens" in sampling_params:
+            max_tokens = sampling_params.pop("max_new_tokens")
+        else:
+            max_tokens = min(
+                config["response_length"],
+                config["prompt_length"] + config["response_length"] - len(prompt_ids),
+            )
+        max_tokens = max(1, min(max_tokens, room))
+        sampling_params["logprobs"] = 0 if sampling_params.pop("logprobs", False) else None
+        sampling_params.setdefault("repetition_penalty", config.get("repetition_penalty", 1.0))
+        sampling_params.setdefault("ignore_eos", config.get("ignore_eos", False))
+        body = {
+            "token_ids": list(prompt_ids),
+            "sampling_params": {**sampling_params, "max_tokens": max_tokens},
+            "request_id": request_id,
+        }
+        if priority:
+            body["priority"] = priority
+        async with (
+            aiohttp.ClientSession() as session,
+            session.post(f"{self.base_url}/inference/v1/generate", json=body) as response,
+        ):
+            answer = await response.json()
+            if response.status != 200:
+                raise RuntimeError(f"vLLM answered {response.status}: {answer}")
+        extra_fields: dict[str, Any] = {"global_steps": self.global_steps}
+        choice = answer["choices"][0]
+        extra_fields["num_cached_tokens"] = None
+        token_ids = list(choice["token_ids"])
+        log_probs = None
+        if sampling_params["logprobs"] is not None:
+            log_probs = [entry["logprob"] for entry in choice["logprobs"]["content"]]
+        finish = choice["finish_reason"]
+        stop_reason = {"abort": "aborted", "stop": "completed", "length": "completed"}.get(
+            finish, finish
+        )
+        return TokenOutput(
+            token_ids=token_ids,
+            log_probs=log_probs,
+            routed_experts=None,
+            stop_reason=stop_reason,
+            extra_fields=extra_fields,
+        )

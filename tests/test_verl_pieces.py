@@ -1,0 +1,234 @@
+"""The verl plugin's parts that need no verl: request mapping, settings, and the link to the
+proxy (registration, tagging, closing), against a real proxy and the simulated vLLM.
+
+What verl's servers do with a generate (verl 0.9.1 `vllm_async_server.py` and
+`async_sglang_server.py`) is the reference for the mapping; the full path with verl itself is
+tests/real/test_verl_plugin.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes.vllm import FakeVLLM
+from proxy_helpers import running_proxy, trajectories
+
+from trace_proxy.integrations.verl.link import ProxyLink, ProxyUnreachable, TrajectoryTags
+from trace_proxy.integrations.verl.mapping import (
+    ServerLimits,
+    UnexpectedAnswer,
+    sglang_request,
+    sglang_result,
+    unsupported_sampling,
+    vllm_request,
+    vllm_result,
+    vllm_stop_reason,
+)
+from trace_proxy.integrations.verl.settings import PluginConfigError, read_settings
+
+LIMITS = ServerLimits("vllm", prompt_length=100, response_length=30, max_model_len=120)
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
+            "logprobs": True}  # fmt: skip
+TOKEN = "t0ken"
+
+
+def test_default_max_tokens_is_verls() -> None:
+    # response_length, unless prompt + response length leaves less, then the context.
+    assert vllm_request([1] * 10, SAMPLING, LIMITS, request_id="r")["max_tokens"] == 30
+    assert vllm_request([1] * 80, SAMPLING, LIMITS, request_id="r")["max_tokens"] == 30
+    assert vllm_request([1] * 95, SAMPLING, LIMITS, request_id="r")["max_tokens"] == 25
+    assert vllm_request([1] * 115, SAMPLING, LIMITS, request_id="r")["max_tokens"] == 5
+    assert vllm_request([1] * 119, SAMPLING, LIMITS, request_id="r")["max_tokens"] == 1
+    explicit = vllm_request([1] * 10, {**SAMPLING, "max_new_tokens": 7}, LIMITS, request_id="r")
+    assert explicit["max_tokens"] == 7 and "max_new_tokens" not in explicit
+    with pytest.raises(ValueError, match="no room"):
+        vllm_request([1] * 120, SAMPLING, LIMITS, request_id="r")
+
+
+def test_vllm_request_carries_what_verls_server_sets() -> None:
+    limits = ServerLimits("vllm", 100, 30, 120, ignore_eos=True, repetition_penalty=1.1)
+    body = vllm_request([5, 6], {"temperature": 0, "logprobs": False}, limits,
+                        request_id="abc", priority=3)  # fmt: skip
+    assert body == {"prompt": [5, 6], "max_tokens": 30, "temperature": 0, "logprobs": None,
+                    "repetition_penalty": 1.1, "ignore_eos": True, "return_token_ids": True,
+                    "request_id": "abc", "priority": 3}  # fmt: skip
+    sampling = {"temperature": 0, "logprobs": True}
+    vllm_request([5], sampling, limits, request_id="a")
+    assert sampling == {"temperature": 0, "logprobs": True}  # the caller's dict is left alone
+    assert vllm_request([5], sampling, limits, request_id="a")["logprobs"] == 0
+
+
+def test_vllm_answer_becomes_verls_token_output() -> None:
+    answer = {"choices": [{"index": 0, "text": " Paris.", "finish_reason": "length",
+                           "logprobs": {"token_logprobs": [-0.0123, -0.51]},
+                           "token_ids": [12095, 13]}],
+              "usage": {"prompt_tokens": 5,
+                        "prompt_tokens_details": {"cached_tokens": 4}}}  # fmt: skip
+    result = vllm_result(answer)
+    assert (result.token_ids, result.log_probs, result.stop_reason) == (
+        [12095, 13], [-0.0123, -0.51], "completed")  # fmt: skip
+    assert result.num_cached_tokens == 4
+    assert [vllm_stop_reason(r) for r in ("stop", "length", "abort", "tool_calls", None)] == [
+        "completed", "completed", "aborted", "tool_calls", None]  # fmt: skip
+    with pytest.raises(UnexpectedAnswer):
+        vllm_result({"choices": [{"text": "no ids"}]})
+    answer["choices"][0]["logprobs"] = {"token_logprobs": [-1.0]}
+    with pytest.raises(UnexpectedAnswer, match="length"):
+        vllm_result(answer)
+
+
+def test_sglang_mapping_is_verls() -> None:
+    limits = ServerLimits("sglang", 100, 30, 120)
+    body = sglang_request([1] * 110, {"temperature": 0, "logprobs": True}, limits, request_id="r")
+    assert body == {"rid": "r", "input_ids": [1] * 110, "return_logprob": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 9}}  # fmt: skip
+    answer = {"text": " Paris.", "output_ids": [12095, 13],
+              "meta_info": {"finish_reason": {"type": "length", "length": 2},
+                            "output_token_logprobs": [[-0.0123, 12095, None],
+                                                      [-0.51, 13, None]]}}  # fmt: skip
+    result = sglang_result(answer, return_logprob=True)
+    assert (result.token_ids, result.log_probs, result.stop_reason) == (
+        [12095, 13],
+        [-0.0123, -0.51],
+        "length",
+    )  # fmt: skip  (verl keeps SGLang's type)
+    answer["meta_info"]["output_token_logprobs"] = []
+    assert sglang_result(answer, return_logprob=True).token_ids == []  # verl drops them too
+
+
+def test_sampling_params_http_cannot_carry_go_verls_way() -> None:
+    assert unsupported_sampling("vllm", SAMPLING) is None
+    assert unsupported_sampling("vllm", {**SAMPLING, "guided_json": {}}) == "guided_json"
+    assert unsupported_sampling("sglang", {**SAMPLING, "seed": 1}) == "seed"
+
+
+def _config(**trace: Any) -> dict[str, Any]:
+    return {
+        "trainer": {"project_name": "proj", "experiment_name": "exp", "use_v1": True},
+        "actor_rollout_ref": {
+            "model": {"path": "/nonexistent/model"},
+            "rollout": {"agent": {"num_workers": 4}, "trace": trace},
+        },
+    }
+
+
+def test_verls_trace_settings_keep_their_meaning(tmp_path: Path) -> None:
+    settings = read_settings(_config(backend="mlflow", token2text=True,
+                                     max_samples_per_step_per_worker=2,
+                                     project_name="traces", experiment_name="run-7"))  # fmt: skip
+    assert (settings.project, settings.experiment) == ("traces", "run-7")
+    args = settings.proxy_args
+    assert args[:4] == ["--backend", "jsonl", "--backend", "mlflow"]
+    # N samples per worker and step: N x agent.num_workers per step.
+    assert args[args.index("--max-samples-per-step") + 1] == "8"
+    assert "--token2text" in args and "--tokenizer" not in args  # not a local directory
+    config = _config(token2text=True)
+    config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)
+    config["trace_proxy"] = {"output": "/data/traces", "max_samples_per_step": 3}
+    args = read_settings(config).proxy_args
+    assert args[args.index("--tokenizer") + 1] == str(tmp_path)
+    assert args[args.index("--max-samples-per-step") + 1] == "3"  # ours wins
+    assert read_settings(_config()).project == "proj"
+
+
+def test_bad_plugin_settings_are_clear_errors() -> None:
+    with pytest.raises(PluginConfigError, match="unknown trace_proxy key"):
+        read_settings({**_config(), "trace_proxy": {"bakcend": "mlflow"}})
+    with pytest.raises(PluginConfigError, match="admin_url"):
+        read_settings({**_config(), "trace_proxy": {"url": "http://127.0.0.1:8100"}})
+    with pytest.raises(PluginConfigError, match="no trace-proxy backend"):
+        read_settings(_config(backend="wandb"))
+
+
+def _tags(trajectory_id: str, n: int = 0) -> TrajectoryTags:
+    return TrajectoryTags(project="proj", experiment="exp", step=4, sample_index=2, rollout_n=n,
+                          validate=False, trajectory_id=trajectory_id)  # fmt: skip
+
+
+def test_the_link_travels_without_its_session_and_never_shows_its_token() -> None:
+    link = ProxyLink("http://127.0.0.1:1", "http://127.0.0.1:2", TOKEN, LIMITS)
+    copied = pickle.loads(pickle.dumps(link))
+    assert (copied.admin_token, copied.limits, copied._session) == (TOKEN, LIMITS, None)
+    assert TOKEN not in repr(link)
+
+
+async def test_generate_through_the_proxy_is_tagged_and_closed(
+    tmp_path: Path, qwen_tokenizer: Any, start_fake: Any
+) -> None:
+    fake = FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True)
+    upstream = await start_fake(fake)
+    server_id = upstream.removeprefix("http://")
+    settings = {"register_upstreams": True, "admin_token": TOKEN}
+    async with running_proxy([], tmp_path, **settings) as (service, proxy_url):
+        admin = service.addresses.admin  # type: ignore[union-attr]
+        link = ProxyLink(proxy_url, admin, TOKEN, LIMITS)
+        prompt = qwen_tokenizer.encode("Say hi")
+        calls = [
+            link.generate(server_id, _tags(f"t{n}", n), prompt, dict(SAMPLING), request_id=f"r{n}")
+            for n in range(2)
+        ]
+        results = await asyncio.gather(*calls)
+        for result in results:
+            assert result.token_ids and len(result.log_probs or []) == len(result.token_ids)
+            assert result.stop_reason == "completed"
+        await link.end_trajectory(_tags("t0"), reward=0.25)
+        await service.flush()
+        # A server that is not registered (or a wrong token) never becomes reachable.
+        stranger = ProxyLink(proxy_url, admin, "wrong", LIMITS)
+        with pytest.raises(ProxyUnreachable, match="401"):
+            await stranger.generate("127.0.0.1:9", _tags("t9"), prompt, dict(SAMPLING),
+                                    request_id="x")  # fmt: skip
+        assert not link.fallbacks and link._session is not None
+        await link._session.close()
+        if stranger._session is not None:
+            await stranger._session.close()
+    records = trajectories(tmp_path)
+    by_n = {r["key"]["rollout_n"]: r for r in records}
+    assert set(by_n) == {0, 1}
+    first = by_n[0]
+    assert first["key"]["step"] == 4 and first["key"]["sample_index"] == 2
+    assert first["key"]["sources"]["step"] == "header:X-Rollout-Step"
+    assert first["close_reason"] == "done" and first["reward"] == 0.25
+    assert first["calls"][0]["upstream"] == upstream
+    assert first["calls"][0]["outputs"][0]["token_ids"] == results[0].token_ids
+    assert by_n[1]["close_reason"] == "shutdown"  # never told done: closed when the proxy stops
+
+
+async def test_an_unreachable_proxy_is_reported_not_raised_as_a_server_error() -> None:
+    link = ProxyLink("http://127.0.0.1:9", "http://127.0.0.1:9", TOKEN, LIMITS)
+    with pytest.raises(ProxyUnreachable):
+        await link.generate("127.0.0.1:1", _tags("t"), [1, 2], dict(SAMPLING), request_id="r")
+    await link.end_trajectory(_tags("t"), None)  # never raises: counted
+    assert link.fallbacks["close_unreachable"] == 1
+    if link._session is not None:
+        await link._session.close()
+
+
+def test_without_verl_the_plugin_says_so_at_start() -> None:
+    import importlib.util
+
+    from trace_proxy.integrations.verl import AgentLoopManager
+    from trace_proxy.integrations.verl.manager import UnsupportedVerl
+
+    if importlib.util.find_spec("verl") is not None:
+        pytest.skip("verl is installed here; its version check runs in tests/real")
+    with pytest.raises(UnsupportedVerl, match="verl is not installed"):
+        AgentLoopManager.create(config={}, llm_client=None)
+
+
+def test_the_core_never_imports_verl_or_the_integration() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, trace_proxy.cli, trace_proxy.proxy.service, trace_proxy.capture.recorder;"
+        "import trace_proxy.integrations.verl;"  # the class path verl loads: still no verl
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'ray', 'torch')"
+        " or m.startswith('trace_proxy.integrations.verl.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

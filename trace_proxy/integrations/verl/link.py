@@ -1,0 +1,212 @@
+"""The agent-loop side's connection to trace-proxy: generate over HTTP, register upstreams,
+close trajectories; and the fallback accounting when the proxy cannot be used.
+
+A `ProxyLink` travels to verl's agent-loop workers pickled inside verl's LLM client (never in
+verl's config, which verl logs to its trackers): it holds the admin token. Each worker process
+opens its own HTTP session on first use.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+
+from trace_proxy.integrations.verl.mapping import (
+    GenerateResult,
+    ServerLimits,
+    UnexpectedAnswer,
+    sglang_request,
+    sglang_result,
+    vllm_request,
+    vllm_result,
+)
+from trace_proxy.proxy.upstreams import UPSTREAM_HEADER
+
+log = logging.getLogger(__name__)
+RETRY_AFTER_S = 30.0  # a proxy found unreachable is tried again after this long
+
+
+class ProxyUnreachable(ConnectionError):
+    """The proxy could not be reached, or refused to forward (421)."""
+
+
+class ServerUnreachable(ConnectionError):
+    """The proxy could not reach verl's server (502/504 from the proxy itself)."""
+
+
+@dataclass(frozen=True)
+class TrajectoryTags:
+    """What the proxy records of one agent-loop run (sent as X-Rollout-* headers)."""
+
+    project: str
+    experiment: str
+    step: int
+    sample_index: int
+    rollout_n: int
+    validate: bool
+    trajectory_id: str
+
+    def headers(self) -> dict[str, str]:
+        return {
+            "X-Rollout-Project": self.project,
+            "X-Rollout-Experiment": self.experiment,
+            "X-Rollout-Step": str(self.step),
+            "X-Rollout-Sample-Index": str(self.sample_index),
+            "X-Rollout-N": str(self.rollout_n),
+            "X-Rollout-Validate": "true" if self.validate else "false",
+            "X-Rollout-Trajectory-Id": self.trajectory_id,
+        }
+
+
+@dataclass
+class ProxyLink:
+    proxy_url: str
+    admin_url: str
+    admin_token: str | None
+    limits: ServerLimits
+    _session: aiohttp.ClientSession | None = field(default=None, repr=False)
+    _registered: dict[str, asyncio.Future[None]] = field(default_factory=dict, repr=False)
+    _down_until: float = 0.0
+    fallbacks: Counter[str] = field(default_factory=Counter, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a worker gets: the addresses, the token and the limits, no live state."""
+        return {"proxy_url": self.proxy_url, "admin_url": self.admin_url,
+                "admin_token": self.admin_token, "limits": self.limits}  # fmt: skip
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+    def __repr__(self) -> str:  # never the token
+        return f"ProxyLink({self.proxy_url}, admin {self.admin_url})"
+
+    def _admin_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+                json_serialize=lambda obj: orjson.dumps(obj).decode(),
+            )
+        return self._session
+
+    @property
+    def usable(self) -> bool:
+        return asyncio.get_running_loop().time() >= self._down_until
+
+    def fell_back(self, reason: str, detail: str = "") -> None:
+        """Counted each time; logged the first time per reason in this process."""
+        self.fallbacks[reason] += 1
+        if self.fallbacks[reason] == 1:
+            log.warning(
+                "trace-proxy: a generate call took verl's own path (%s%s); this is logged "
+                "once per reason and worker, and counted (not traced)",
+                reason,
+                f": {detail}" if detail else "",
+            )
+
+    def mark_down(self, error: BaseException) -> None:
+        self._down_until = asyncio.get_running_loop().time() + RETRY_AFTER_S
+        self.fell_back("proxy_unreachable", f"{type(error).__name__}: {error}")
+
+    async def register(self, server_id: str) -> None:
+        """Make verl's server reachable through the proxy under its own id (its address);
+        once per server and worker, however many calls ask at once."""
+        known = self._registered.get(server_id)
+        if known is None:
+            known = asyncio.ensure_future(self._register(server_id))
+            self._registered[server_id] = known
+        try:
+            await asyncio.shield(known)
+        except BaseException:
+            if known.done():
+                self._registered.pop(server_id, None)  # tried again by the next call
+            raise
+
+    async def _register(self, server_id: str) -> None:
+        url = f"{self.admin_url}/upstreams/{server_id}"
+        try:
+            async with self._open().put(
+                url, json={"url": f"http://{server_id}"}, headers=self._admin_headers()
+            ) as response:
+                if response.status != 200:
+                    raise ProxyUnreachable(
+                        f"registering {server_id}: {response.status} {await response.text()}"
+                    )
+        except aiohttp.ClientError as exc:
+            raise ProxyUnreachable(f"{type(exc).__name__}: {exc}") from exc
+
+    async def generate(
+        self,
+        server_id: str,
+        tags: TrajectoryTags,
+        prompt_ids: list[int],
+        sampling_params: dict[str, Any],
+        *,
+        request_id: str,
+        priority: int = 0,
+    ) -> GenerateResult:
+        """One generate through the proxy to `server_id`. ProxyUnreachable when the proxy is
+        the problem (verl's own path then runs); a server's own error is raised as verl's
+        path would raise it (RuntimeError with the server's message)."""
+        await self.register(server_id)
+        limits = self.limits
+        if limits.engine == "vllm":
+            body = vllm_request(
+                prompt_ids, sampling_params, limits, request_id=request_id, priority=priority
+            )
+            path = "/v1/completions"
+        else:
+            body = sglang_request(prompt_ids, sampling_params, limits, request_id=request_id)
+            path = "/generate"
+        headers = {**tags.headers(), UPSTREAM_HEADER: server_id,
+                   "Content-Type": "application/json"}  # fmt: skip
+        try:
+            async with self._open().post(
+                self.proxy_url + path, data=orjson.dumps(body), headers=headers
+            ) as response:
+                payload = await response.read()
+                status = response.status
+        except aiohttp.ClientError as exc:
+            raise ProxyUnreachable(f"{type(exc).__name__}: {exc}") from exc
+        try:
+            answer = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            answer = None
+        error = answer.get("error") if isinstance(answer, dict) else None
+        if status == 421:
+            raise ProxyUnreachable(f"{status}: {error}")
+        if isinstance(error, dict) and str(error.get("type", "")).startswith("upstream_"):
+            raise ServerUnreachable(f"{status}: {error.get('message')}")
+        if status != 200 or answer is None:
+            raise RuntimeError(f"{server_id} answered {status}: {payload[:2000]!r}")
+        try:
+            if limits.engine == "vllm":
+                return vllm_result(answer)
+            return sglang_result(answer, bool(body["return_logprob"]))
+        except UnexpectedAnswer as exc:
+            raise RuntimeError(f"{server_id}: {exc}") from None
+
+    async def end_trajectory(self, tags: TrajectoryTags, reward: float | None) -> None:
+        """Close the trajectory now, with verl's reward when it has one. Never raises: a
+        trajectory not closed here closes when idle or when its step ends."""
+        body: dict[str, Any] = {"trajectory_id": tags.trajectory_id, "project": tags.project,
+                                "done": True}  # fmt: skip
+        if reward is not None:
+            body["reward"] = float(reward)
+        try:
+            async with self._open().post(
+                f"{self.admin_url}/rewards", json=body, headers=self._admin_headers()
+            ) as response:
+                if response.status != 200:
+                    self.fell_back("close_refused", f"{response.status} {await response.text()}")
+        except (aiohttp.ClientError, OSError) as exc:
+            self.fell_back("close_unreachable", f"{type(exc).__name__}: {exc}")
