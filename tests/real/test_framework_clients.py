@@ -12,7 +12,7 @@ can tell their second turns apart, and each must start a trajectory of its own m
 `inferred:ambiguous` rather than be attached to either (unless the client names its sessions).
 
 slime and rllm's own engines are not on PyPI; their wire formats are those of the SGLang
-`/generate` and OpenAI clients exercised here (see docs/frameworks.md).
+`/generate` and OpenAI clients exercised here (see docs/integrations/).
 """
 
 from __future__ import annotations
