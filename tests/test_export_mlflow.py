@@ -212,18 +212,22 @@ async def test_trajectories_round_trip_through_mlflow(
         "output_tokens": sum(call["usage"]["completion_tokens"] for call in a["calls"]),
         "total_tokens": sum(call["usage"]["total_tokens"] for call in a["calls"]),
     }
-    root, llm1, tool, llm2 = trace.data.spans  # in start order
+    # The second turn's reply, cut by max_tokens inside a tool call written as text, is a tool
+    # span of its own that says so.
+    root, llm1, tool, llm2, cut = trace.data.spans  # in start order
     assert [(s.name, s.span_type) for s in trace.data.spans] == [
         ("agent_loop", "AGENT"), ("generate", "LLM"), ("get_weather", "TOOL"),
-        ("generate", "LLM"),
+        ("generate", "LLM"), ("tool", "TOOL"),
     ]  # fmt: skip
+    assert cut.status.status_code.value == "ERROR"
     assert root.parent_id is None
     assert {s.parent_id for s in (llm1, llm2, tool)} == {root.span_id}
     assert (root.start_time_ns, root.end_time_ns) == (ns(a["start"]), ns(a["end"]))
     for span, call in zip((llm1, llm2), a["calls"], strict=True):
         assert (span.start_time_ns, span.end_time_ns) == (ns(call["start"]), ns(call["end"]))
         assert span.get_attribute("mlflow.llm.model") == "tiny-qwen"
-    [tool_record] = a["tools"]
+    tool_record, cut_record = a["tools"]
+    assert cut_record["error"]["type"] == "unparsed_tool_call"
     assert (tool.start_time_ns, tool.end_time_ns) == (
         ns(tool_record["start"]), ns(tool_record["end"])
     )  # fmt: skip
@@ -728,11 +732,12 @@ async def test_http_path_exports_recorded_trajectories_over_otlp(
     assert set(traces) == set(fake.traces) == {trace_a, trace_b}
     assert {t.experiment_id for t in fake.traces.values()} == {experiment_id}
 
-    # A: the root, two generate calls and the tool call between them.
-    root, llm1, tool, llm2 = traces[trace_a]
+    # A: the root, two generate calls, the tool call between them, and the second reply's tool
+    # call cut by max_tokens (an error span).
+    root, llm1, tool, llm2, _cut = traces[trace_a]
     assert [(s.name, s.attributes["mlflow.spanType"]) for s in traces[trace_a]] == [
         ("agent_loop", "AGENT"), ("generate", "LLM"), ("get_weather", "TOOL"),
-        ("generate", "LLM"),
+        ("generate", "LLM"), ("tool", "TOOL"),
     ]  # fmt: skip
     assert root.trace_id == trace_a.removeprefix("tr-")
     assert root.parent_span_id is None
@@ -752,7 +757,7 @@ async def test_http_path_exports_recorded_trajectories_over_otlp(
         )  # fmt: skip
         assert span.attributes["mlflow.llm.model"] == "tiny-qwen"
         assert span.status_code == "STATUS_CODE_OK"
-    [tool_record] = a["tools"]
+    tool_record, _ = a["tools"]
     assert (tool.start_time_unix_nano, tool.end_time_unix_nano) == (
         ns(tool_record["start"]), ns(tool_record["end"])
     )  # fmt: skip
