@@ -147,6 +147,14 @@ class Viewer:
             raise web.HTTPNotFound(text="no such run in the stores served\n")
         return run
 
+    def _entry(self, request: web.Request) -> tuple[Run, Entry]:
+        """The run and the trajectory a page's URL names (404 when either is unknown)."""
+        run = self._run(request)
+        entry = run.by_id.get(request.match_info["id"])
+        if entry is None:
+            raise web.HTTPNotFound(text="no such trajectory in this run\n")
+        return run, entry
+
     # --- pages -------------------------------------------------------------------------------
 
     async def runs_page(self, request: web.Request) -> web.Response:
@@ -230,10 +238,7 @@ class Viewer:
     async def trajectory_page(self, request: web.Request) -> web.Response:
         await self._refreshed()
         with self.index.lock:
-            run = self._run(request)
-            entry = run.by_id.get(request.match_info["id"])
-            if entry is None:
-                raise web.HTTPNotFound(text="no such trajectory in this run\n")
+            run, entry = self._entry(request)
             siblings = sorted(
                 (e for e in run.steps[(entry.validate, entry.step)].entries
                  if e.group == entry.group),
@@ -250,10 +255,7 @@ class Viewer:
     async def raw_record(self, request: web.Request) -> web.Response:
         await self._refreshed()
         with self.index.lock:
-            run = self._run(request)
-            entry = run.by_id.get(request.match_info["id"])
-            if entry is None:
-                raise web.HTTPNotFound(text="no such trajectory in this run\n")
+            _, entry = self._entry(request)
         record = await asyncio.to_thread(self.index.read_record, entry)
         body = orjson.dumps(record, option=orjson.OPT_INDENT_2)
         return web.Response(body=body, content_type="application/json")
