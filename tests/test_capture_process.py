@@ -90,23 +90,28 @@ class _Transport(asyncio.Transport):
         return self.closing
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.lists(exchanges, min_size=1, max_size=4), st.lists(st.integers(1, 400), max_size=30))
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(exchanges, min_size=1, max_size=4),
+    st.lists(st.integers(1, 400), max_size=30),
+    st.sampled_from([1, 40, 200, 64 << 10]),
+)
 def test_exchanges_cross_the_socket_unchanged_and_in_order(
-    sent: list[Exchange], cuts: list[int]
+    sent: list[Exchange], cuts: list[int], own_buffer_from: int
 ) -> None:
-    """However the stream is cut into reads, the frames come out whole and in order."""
+    """However the stream is cut into reads, and whether frames are read into the shared
+    buffer or into their own, the frames come out whole and in order."""
     stream = b"".join(b for exchange in sent for b in encode_exchange(exchange))
     stream += encode_control({"op": "stop", "timeout": 1.5})
 
     async def roundtrip() -> list[Any]:
-        reader = FrameReader(max_waiting=2)
+        reader = FrameReader(max_waiting=2, own_buffer_from=own_buffer_from)
         transport = _Transport()
         reader.connection_made(transport)
         frames: list[Any] = []
         offset = 0
         for cut in [*cuts, len(stream)]:
-            reader.data_received(stream[offset : offset + cut])
+            reader.feed(stream[offset : offset + cut])
             offset += cut
             if reader.waiting > 2:
                 assert transport.paused  # too many waiting: the writer is pushed back
@@ -125,11 +130,33 @@ def test_exchanges_cross_the_socket_unchanged_and_in_order(
     assert control == {"op": "stop", "timeout": 1.5}
 
 
+async def test_a_long_stream_of_small_and_long_frames_wraps_around_the_shared_buffer() -> None:
+    """More than the shared buffer holds, in reads that end mid-frame: what is left of a frame
+    moves to the buffer's front, and long frames in between go to buffers of their own."""
+    sent = [
+        Exchange(method="POST", path=f"/v1/completions/{i}", query="",
+                 request_headers=CIMultiDictProxy(CIMultiDict({"X-N": str(i)})),
+                 path_metadata=[], upstream="http://u", start=float(i),
+                 request_body=bytes([i % 251]) * (70_000 if i % 97 == 0 else 300 + i % 50),
+                 status=200, response_headers=CIMultiDict(), response_chunks=[b"r" * (i % 7)])
+        for i in range(2_000)
+    ]  # fmt: skip
+    stream = b"".join(b for exchange in sent for b in encode_exchange(exchange))
+    assert len(stream) > 4 * len(FrameReader()._scratch)
+    reader = FrameReader(max_waiting=len(sent))
+    reader.connection_made(_Transport())
+    for offset in range(0, len(stream), 7_919):  # a prime: every frame boundary falls anywhere
+        reader.feed(stream[offset : offset + 7_919])
+    received = [await reader.next() for _ in sent]
+    assert [_fields(e) for e in received] == [_fields(e) for e in sent]  # type: ignore[arg-type]
+    assert reader.waiting == 0
+
+
 async def test_a_frame_that_is_not_ours_closes_the_connection() -> None:
     reader = FrameReader()
     transport = _Transport()
     reader.connection_made(transport)
-    reader.data_received(HEAD.pack(7, 2, 0, 0) + b"{}")
+    reader.feed(HEAD.pack(7, 2, 0, 0) + b"{}")
     with pytest.raises(ValueError, match="unknown frame kind 7"):
         await reader.next()
     assert transport.closing

@@ -88,17 +88,28 @@ def encode_control(message: dict[str, Any]) -> bytes:
 Frame = Exchange | dict[str, Any]
 
 
-class FrameReader(asyncio.Protocol):
-    """Frames as they arrive on the socket. Each body is copied once out of the bytes read
-    (a StreamReader copies it several times, and moves its buffer for every frame taken);
-    reading pauses while more than `max_waiting` frames wait for the consumer, so a consumer
-    that lags pushes back on the writer."""
+SCRATCH_BYTES = 256 << 10  # what one read may take of frames that are not read apart
+OWN_BUFFER_FROM = 64 << 10  # a frame this long (after its head) is read into a buffer of its own
 
-    def __init__(self, max_waiting: int = 64) -> None:
-        self._chunks: list[bytes] = []  # the start of a frame, not yet complete
-        self._buffered = 0
-        self._head: tuple[int, int, int, int] | None = None
-        self._need = HEAD.size
+
+class FrameReader(asyncio.BufferedProtocol):
+    """Frames as they arrive on the socket, read by the kernel straight into our buffers: small
+    frames into one reused scratch buffer, many per read; a frame of `own_buffer_from` bytes or
+    more into a buffer of its own size, so a long prompt is never joined from reads or moved
+    about (with a plain Protocol every read was a new bytes object, a frame spread over reads
+    was joined, and then cut into its parts: three copies of each body; now one, into the
+    bytes the exchange holds). Reading pauses while more than `max_waiting` frames wait for the
+    consumer, so a consumer that lags pushes back on the writer."""
+
+    def __init__(self, max_waiting: int = 64, own_buffer_from: int = OWN_BUFFER_FROM) -> None:
+        self._scratch = bytearray(max(SCRATCH_BYTES, 2 * own_buffer_from))
+        self._view = memoryview(self._scratch)
+        self._start = 0  # scratch[start:end] is read and not yet taken apart
+        self._end = 0
+        self._own_buffer_from = own_buffer_from
+        self._head: tuple[int, int, int, int] | None = None  # of the frame being read
+        self._own: bytearray | None = None  # the frame being read into a buffer of its own
+        self._own_filled = 0
         self._frames: deque[Frame] = deque()
         self._max_waiting = max_waiting
         self._waiter: asyncio.Future[None] | None = None
@@ -141,36 +152,83 @@ class FrameReader(asyncio.Protocol):
         self._transport = transport  # type: ignore[assignment]
         self.closed = asyncio.get_running_loop().create_future()
 
-    def data_received(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered < self._need:
-            return  # most reads of a long body: nothing to join yet
-        buffer = data if len(self._chunks) == 1 else b"".join(self._chunks)
-        offset = 0
+    def get_buffer(self, sizehint: int) -> memoryview:
+        own = self._own
+        if own is not None:
+            return memoryview(own)[self._own_filled :]
+        if self._start and len(self._scratch) - self._end < self._own_buffer_from:
+            # What is left of a frame moves to the front: it is shorter than
+            # `own_buffer_from`, so the scratch then has room for the rest of it.
+            left = self._end - self._start
+            self._view[:left] = self._view[self._start : self._end]
+            self._start, self._end = 0, left
+        return self._view[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
         try:
-            while len(buffer) - offset >= self._need:
-                if self._head is None:
-                    self._head = HEAD.unpack_from(buffer, offset)
-                    offset += HEAD.size
-                    _, meta, request, response = self._head
-                    if meta == 0:
-                        raise ValueError("a frame without its JSON part")
-                    self._need = meta + request + response
-                else:
-                    self._frames.append(_frame(buffer, offset, *self._head))
-                    offset += self._need
-                    self._head, self._need = None, HEAD.size
+            if self._own is not None:
+                self._own_filled += nbytes
+                if self._own_filled == len(self._own):
+                    own, self._own = self._own, None
+                    self._frames.append(_frame(own, 0, *self._take_head()))
+            else:
+                self._end += nbytes
+                self._take_frames()
         except (ValueError, orjson.JSONDecodeError) as exc:
             self._error = ValueError(f"not a capture frame: {exc}")
+            self._start = self._end = 0
+            self._own = None
             self.transport.close()
-        rest = buffer[offset:] if offset else buffer
-        self._chunks = [rest] if rest else []
-        self._buffered = len(rest)
         self._wake()
         if not self._paused and len(self._frames) > self._max_waiting:
             self._paused = True
             self.transport.pause_reading()
+
+    def feed(self, data: bytes) -> None:
+        """Hand over bytes as the event loop would have read them (for tests and tools)."""
+        offset = 0
+        while offset < len(data):
+            buffer = self.get_buffer(-1)
+            taken = min(len(buffer), len(data) - offset)
+            buffer[:taken] = data[offset : offset + taken]
+            offset += taken
+            self.buffer_updated(taken)
+
+    def _take_frames(self) -> None:
+        """Every whole frame in the scratch buffer; a long one's start goes to its own."""
+        view, start, end = self._view, self._start, self._end
+        while True:
+            if self._head is None:
+                if end - start < HEAD.size:
+                    break
+                self._head = head = HEAD.unpack_from(view, start)
+                start += HEAD.size
+                _, meta, request, response = head
+                if meta == 0:
+                    raise ValueError("a frame without its JSON part")
+                need = meta + request + response
+                if need >= self._own_buffer_from and end - start < need:
+                    self._own = own = bytearray(need)
+                    have = end - start  # less than it needs: the rest goes straight there
+                    own[:have] = view[start:end]
+                    start += have
+                    self._own_filled = have
+                    break
+            kind, meta, request, response = self._head
+            need = meta + request + response
+            if end - start < need:
+                break
+            self._frames.append(_frame(view, start, kind, meta, request, response))
+            self._head = None
+            start += need
+        if start == end:
+            start = end = 0
+        self._start, self._end = start, end
+
+    def _take_head(self) -> tuple[int, int, int, int]:
+        head, self._head = self._head, None
+        assert head is not None
+        return head
 
     def eof_received(self) -> bool:
         self._ended = True
@@ -188,7 +246,11 @@ class FrameReader(asyncio.Protocol):
             self._waiter.set_result(None)
 
 
-def _frame(buffer: bytes, offset: int, kind: int, meta: int, request: int, response: int) -> Frame:
+def _frame(
+    buffer: bytearray | memoryview, offset: int, kind: int, meta: int, request: int, response: int
+) -> Frame:
+    """A frame out of a buffer that is reused or written to again: its parts copied out once."""
+    buffer = memoryview(buffer)  # slices of a view are not copies
     meta_end = offset + meta
     if kind == CONTROL:
         message = orjson.loads(buffer[offset:meta_end])
@@ -199,7 +261,7 @@ def _frame(buffer: bytes, offset: int, kind: int, meta: int, request: int, respo
         raise ValueError(f"unknown frame kind {kind}")
     request_end = meta_end + request
     return decode_exchange(
-        buffer[offset:meta_end],
-        buffer[meta_end:request_end] if request else b"",
-        buffer[request_end : request_end + response] if response else b"",
+        bytes(buffer[offset:meta_end]),
+        bytes(buffer[meta_end:request_end]) if request else b"",
+        bytes(buffer[request_end : request_end + response]) if response else b"",
     )
