@@ -208,6 +208,8 @@ async def test_parsing_runs_in_another_process_which_is_replaced_when_it_dies(
         await chat(session, proxy, 1, 99, done=False)
         await service.flush()
         assert capture.open_count == 1
+        assert metric(service.metrics, "trace_proxy_open_trajectories") == 1
+        assert metric(service.metrics, "trace_proxy_capture_queue") == 0
 
         os.kill(capture.pid, signal.SIGKILL)
         # Forwarding goes on while the capture process is down and after it is back.

@@ -75,6 +75,9 @@ class CaptureStage:
         self._step_marks: deque[tuple[int, KeyHints]] = deque()
         self._caught_up: deque[tuple[int, asyncio.Future[None]]] = deque()
         self._newest_step: dict[tuple[Any, Any, bool], int] = {}
+        # Read when the metrics are: setting them on every exchange was a few % of parsing.
+        metrics.open_trajectories.set_function(lambda: assembler.open_count)
+        metrics.capture_queue.set_function(self._queue.qsize)
 
     def admit(self, exchange: Exchange) -> bool:
         """On the hot path: False when the headers name a sample the sampler has dropped, so
@@ -192,7 +195,6 @@ class CaptureStage:
             log.error("%d exchanges not parsed within %.1f s of stopping: counted as dropped",
                       left, parse_within)  # fmt: skip
         self._assembler.close_all("shutdown")
-        self._metrics.open_trajectories.set(0)
 
     async def _work(self) -> None:
         burst_started = time.perf_counter()
@@ -239,7 +241,6 @@ class CaptureStage:
                     done.set_result(None)
             self._queued_bytes -= exchange.size
             self._room.set()
-            self._metrics.capture_queue.set(self._queue.qsize())
 
     async def _finish_closed(self) -> None:
         """Emit closed trajectories in bursts, yielding between them: a step change can close
@@ -261,7 +262,6 @@ class CaptureStage:
         while True:
             await asyncio.sleep(self._idle_check_interval)
             self._assembler.close_idle()
-            self._metrics.open_trajectories.set(self._assembler.open_count)
             await self._finish_closed()
 
     def process(self, exchange: Exchange) -> None:
@@ -326,14 +326,12 @@ class CaptureStage:
             # The text goes with the call whose prompt is that very list.
             text = ids_text if ids is not None and item.call.prompt.token_ids is ids else None
             self._assembler.add_call(hints, item.call, admitted=exchange.admitted, ids_text=text)
-        self._metrics.open_trajectories.set(self._assembler.open_count)
 
     def _add_unparsed(self, exchange: Exchange, dialect: str, reason: str) -> None:
         item = self._unparsed(exchange, dialect, None, reason)
         hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
         self._unparsed_calls(dialect).inc()
         self._assembler.add_call(hints, item.call, admitted=exchange.admitted)
-        self._metrics.open_trajectories.set(self._assembler.open_count)
 
     def _latest_prompt(
         self, exchange: Exchange, resolved: dict[int, KeyHints], request: dict[str, Any]
@@ -355,7 +353,6 @@ class CaptureStage:
         headers[header] = session
         hints = self._resolver.resolve(CIMultiDictProxy(headers), exchange.path_metadata, None)
         self._assembler.end(hints)
-        self._metrics.open_trajectories.set(self._assembler.open_count)
 
     def _tool_call(self, exchange: Exchange) -> None:
         tool = ToolCall(
