@@ -54,17 +54,21 @@ def reply_reference(message: Any, outputs: Sequence[Output]) -> dict[str, Any] |
     `outputs`, or None when it is not such an echo.
 
     `{"output": position in outputs, "message": the message with each member taken from the
-    output set to null, "from_output": those members}`. A member is taken from the output when
-    it is the same JSON value as the output's field (types exact, objects by their members);
-    a member the output has no value for is kept only when empty (null, "", []); content and
-    tool calls the output has must be there. Anything else (an edited reply, one rebuilt
+    output set to null (or to its shape, `_shape`, when the client wrote the members of its
+    objects in another order), "from_output": those members}`. A member is taken from the
+    output when it is the same JSON value as the output's field (types exact, objects by their
+    members); a member the output has no value for is kept only when empty (null, "", []);
+    content and tool calls the output has must be there. Anything else (an edited reply, one rebuilt
     another way) is not an echo and is stored as sent."""
     if not isinstance(message, dict) or message.get("role") != "assistant":
         return None
     for position, output in enumerate(outputs):
         taken = _taken_from(message, output)
         if taken:
-            skeleton = {key: None if key in taken else value for key, value in message.items()}
+            skeleton = {
+                key: _shape(value, getattr(output, REPLY_FIELDS[key])) if key in taken else value
+                for key, value in message.items()
+            }
             return {"output": position, "message": skeleton, "from_output": taken}
     return None
 
@@ -100,6 +104,42 @@ def same_json(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
+def _shape(value: Any, produced: Any) -> Any:
+    """None when `value` is written as `produced` is (members in the same order), else its
+    shape: every leaf null, objects' members in the order the client wrote them."""
+    return None if _same_order(value, produced) else _leaves_nulled(value)
+
+
+def _same_order(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_order(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return all(_same_order(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def _leaves_nulled(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _leaves_nulled(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_leaves_nulled(item) for item in value]
+    return None
+
+
+def _in_order_of(value: Any, shape: Any) -> Any:
+    """`value` with its objects' members in the order `shape` gives (a reader's side of
+    `_shape`; members the shape does not name follow, as they were)."""
+    if isinstance(value, dict) and isinstance(shape, dict):
+        ordered = {k: _in_order_of(value[k], shape[k]) for k in shape if k in value}
+        ordered.update((k, v) for k, v in value.items() if k not in ordered)
+        return ordered
+    if isinstance(value, list) and isinstance(shape, list):
+        return [_in_order_of(item, part) for item, part in zip(value, shape, strict=False)] + (
+            value[len(shape) :]
+        )
+    return value
+
+
 def reply_message(reference: Any, outputs: Any) -> dict[str, Any] | None:
     """The assistant message a `prefix_reply` reference stands for (a stored record's JSON
     form); None when the reference does not name an output of the call."""
@@ -115,7 +155,7 @@ def reply_message(reference: Any, outputs: Any) -> dict[str, Any] | None:
     for key in reference.get("from_output") or []:
         field = REPLY_FIELDS.get(key)
         if field is not None and key in message:
-            message[key] = copy.deepcopy(output.get(field))
+            message[key] = _in_order_of(copy.deepcopy(output.get(field)), message[key])
     return message
 
 
