@@ -159,7 +159,7 @@ def full_prompt(prompt: Prompt) -> Json:
             "tools": prompt.tools or None}  # fmt: skip
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(chat_trajectory())
 def test_what_is_shared_reads_back_as_sent(
     case: tuple[list[GenerateCall], list[Continued]],
