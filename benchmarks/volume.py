@@ -10,7 +10,11 @@ through a real proxy in front of the simulated vLLM server, with token2text on, 
 - per-call: the same records with every prompt (ids and decoded text) stored whole;
 - transcript: the final context itself, its token ids and its text, as JSON.
 
+With `--chat` the same loop runs over `/v1/chat/completions` with the OpenAI SDK, each reply
+sent back as the SDK's `choice.message` and each test log as the next user message.
+
     python benchmarks/volume.py [--trajectories 8] [--turns 20] [--log-lines 40] [--logprobs]
+                                [--chat]
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+from openai import AsyncOpenAI
 
 from trace_proxy.config import Settings
 from trace_proxy.demo.simulated_vllm import SimulatedVLLM
@@ -59,16 +64,40 @@ async def run_trajectory(
         ) as response:
             reply = await response.json()
         output = reply["choices"][0]["token_ids"]
-        log = "\n".join(
-            f"tests/test_{index}.py::test_case_{turn}_{line} "
-            + ("PASSED" if (line + turn) % 7 else f"FAILED (assert {line} == {turn})")
-            for line in range(log_lines)
-        )
+        log = _log(index, turn, log_lines)
         result = (
             f"\n<|im_start|>user\n<tool_response>\n{log}\n</tool_response><|im_end|>\n"
             "<|im_start|>assistant\n"
         )
         prompt = prompt + output + tokenizer.encode(result)
+
+
+async def run_chat_trajectory(
+    client: Any, index: int, turns: int, logprobs: bool, log_lines: int
+) -> None:
+    """The same agent loop over chat: the SDK's reply object goes back as it came."""
+    messages: list[Any] = [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"Task {index}: make the failing test number {index} pass."},
+    ]
+    headers = {"X-Rollout-Trajectory-Id": f"volume-{index}"}
+    for turn in range(turns):
+        if turn == turns - 1:
+            headers["X-Rollout-Done"] = "true"
+        reply = await client.chat.completions.create(
+            model="qwen-sim", messages=messages, max_tokens=96, temperature=1.0,
+            logprobs=logprobs, extra_headers=headers, extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        messages.append(reply.choices[0].message)
+        messages.append({"role": "user", "content": _log(index, turn, log_lines)})
+
+
+def _log(index: int, turn: int, log_lines: int) -> str:
+    return "\n".join(
+        f"tests/test_{index}.py::test_case_{turn}_{line} "
+        + ("PASSED" if (line + turn) % 7 else f"FAILED (assert {line} == {turn})")
+        for line in range(log_lines)
+    )
 
 
 def measure(output: Path) -> dict[str, float]:
@@ -124,30 +153,33 @@ async def main(args: argparse.Namespace) -> int:
     started = time.monotonic()
     async with ProxyService(settings) as service, aiohttp.ClientSession() as session:
         assert service.addresses is not None
-        await asyncio.gather(
-            *(
-                run_trajectory(
-                    session,
-                    service.addresses.proxy,
-                    tokenizer,
-                    i,
-                    args.turns,
-                    args.logprobs,
-                    args.log_lines,
-                )
+        proxy = service.addresses.proxy
+        if args.chat:
+            client = AsyncOpenAI(base_url=proxy + "/v1", api_key="none")
+            await asyncio.gather(*(
+                run_chat_trajectory(client, i, args.turns, args.logprobs, args.log_lines)
                 for i in range(args.trajectories)
-            )
-        )
+            ))  # fmt: skip
+            await client.close()
+        else:
+            await asyncio.gather(*(
+                run_trajectory(session, proxy, tokenizer, i, args.turns, args.logprobs,
+                               args.log_lines)
+                for i in range(args.trajectories)
+            ))  # fmt: skip
     await runner.cleanup()
     sizes = measure(output)
     command = "python benchmarks/volume.py " + " ".join(sys.argv[1:])
     print(f"`{command.strip()}` ({time.monotonic() - started:.1f} s)\n")
-    print("| trajectories x turns | logprobs | stored | per-call tracer | transcript (ids + text) "
-          "| stored / transcript | per-call / stored |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| route | trajectories x turns | logprobs | stored | stored / trajectory "
+          "| per-call tracer | transcript (ids + text) | stored / transcript "
+          "| per-call / stored |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     print(
+        f"| {'chat' if args.chat else 'generate'} "
         f"| {sizes['trajectories']} x {args.turns} | {'yes' if args.logprobs else 'no'} "
-        f"| {sizes['stored'] / 1024:.0f} KiB | {sizes['per_call'] / 1024:.0f} KiB "
+        f"| {sizes['stored'] / 1024:.0f} KiB | {sizes['stored'] / sizes['trajectories']:.0f} B "
+        f"| {sizes['per_call'] / 1024:.0f} KiB "
         f"| {sizes['transcript'] / 1024:.0f} KiB | {sizes['stored'] / sizes['transcript']:.2f} "
         f"| {sizes['per_call'] / sizes['stored']:.1f} |"
     )
@@ -159,6 +191,7 @@ if __name__ == "__main__":
     parser.add_argument("--trajectories", type=int, default=8)
     parser.add_argument("--turns", type=int, default=20)
     parser.add_argument("--logprobs", action="store_true", help="also record sampled logprobs")
+    parser.add_argument("--chat", action="store_true", help="chat completions with the OpenAI SDK")
     parser.add_argument(
         "--log-lines", type=int, default=40, help="lines of test log per tool result"
     )

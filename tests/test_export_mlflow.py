@@ -236,10 +236,8 @@ async def test_trajectories_round_trip_through_mlflow(
         "tools": TOOLS,
         "sampling_params": {"max_tokens": 40},
     }
-    assert llm2.inputs["messages"][:2] == a["calls"][0]["prompt"]["messages"] + [
-        a["calls"][1]["prompt"]["messages"][0]
-    ]  # the whole conversation, not the stored suffix
-    assert llm2.inputs["messages"][-1] == messages[-1]
+    assert a["calls"][1]["prompt"]["messages"] == messages[-1:]  # the reply is not stored twice
+    assert llm2.inputs["messages"] == messages  # the whole conversation, not the stored suffix
     assert llm1.outputs["choices"][0]["message"]["tool_calls"] == message["tool_calls"]
     assert llm1.outputs["choices"][0]["finish_reason"] == "tool_calls"
     assert llm1.outputs["usage"] == a["calls"][0]["usage"]

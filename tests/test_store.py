@@ -58,7 +58,7 @@ def test_layout_one_line_per_trajectory(tmp_path: Path) -> None:
     lines = (tmp_path / "p/e/step-000001.jsonl").read_bytes().splitlines()
     assert [orjson.loads(line)["id"] for line in lines] == ["t1-0", "t1-1"]
     record = orjson.loads(lines[0])
-    assert record["schema"] == "trace-proxy.trajectory/2"
+    assert record["schema"] == "trace-proxy.trajectory/3"
     assert record["calls"][0]["outputs"][0]["text"] == "4"
 
 

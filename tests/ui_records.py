@@ -14,7 +14,7 @@ import orjson
 from trace_proxy.exporters.jsonl import NAME_FILE
 from trace_proxy.storenames import store_name
 
-SCHEMA = "trace-proxy.trajectory/2"
+SCHEMA = "trace-proxy.trajectory/3"
 
 
 def run_dir(root: Path, project: str = "proj", experiment: str = "exp") -> Path:

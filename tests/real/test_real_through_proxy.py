@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
+import httpx
 import orjson
 import pytest
 from openai import AsyncOpenAI
@@ -178,27 +179,32 @@ def _sample(trajectory: Json) -> int:
 
 
 async def test_multi_turn_chat_shares_prompt_prefixes_exactly(
-    real_vllm: RealServer, http: aiohttp.ClientSession, tmp_path: Path
+    real_vllm: RealServer, tmp_path: Path
 ) -> None:
-    messages: list[Json] = [{"role": "user", "content": "Count to three."}]
+    """The OpenAI SDK sends each reply back as `choice.message` (vLLM's message, with the
+    SDK's members and nulls): the store keeps each reply once, and gives back every request."""
+    messages: list[Any] = [{"role": "user", "content": "Count to three."}]
     full_prompts: list[list[int]] = []
-    sent: list[list[Json]] = []
+    sent: list[Json] = []
+
+    async def keep(request: httpx.Request) -> None:
+        sent.append(orjson.loads(request.content))
+
     headers = {"X-Rollout-Trajectory-Id": "conversation-1"}
     async with running_proxy([real_vllm.base_url], tmp_path) as (_, proxy):
+        http = httpx.AsyncClient(event_hooks={"request": [keep]}, timeout=180)
+        client = AsyncOpenAI(base_url=proxy + "/v1", api_key="none", http_client=http)
         for turn in range(3):
-            request = {"model": real_vllm.model, "messages": messages, "max_tokens": 8,
-                       "temperature": 0, "return_token_ids": True}  # fmt: skip
             if turn == 2:
                 headers["X-Rollout-Done"] = "true"
-            sent.append(messages)
-            async with http.post(
-                proxy + "/v1/chat/completions", json=request, headers=headers
-            ) as response:
-                reply = await response.json()
-            full_prompts.append(reply["prompt_token_ids"])
-            content = reply["choices"][0]["message"]["content"]
-            messages = [*messages, {"role": "assistant", "content": content},
+            reply = await client.chat.completions.create(
+                model=real_vllm.model, messages=messages, max_tokens=8, temperature=0,
+                extra_body={"return_token_ids": True}, extra_headers=headers,
+            )  # fmt: skip
+            full_prompts.append((reply.model_extra or {})["prompt_token_ids"])
+            messages = [*messages, reply.choices[0].message,
                         {"role": "user", "content": f"And then {turn}?"}]  # fmt: skip
+        await client.close()
     [trajectory] = trajectories(tmp_path)
     assert trajectory["close_reason"] == "done"
     calls = trajectory["calls"]
@@ -207,8 +213,12 @@ async def test_multi_turn_chat_shares_prompt_prefixes_exactly(
     assert stored_ids < sum(map(len, full_prompts))
     expanded = expand_prompts(trajectory)
     assert [p["token_ids"] for p in expanded] == full_prompts
-    assert [p["messages"] for p in expanded] == sent
-    assert calls[1]["prompt"]["prefix_len"]["messages"] == len(sent[0])
+    assert [p["messages"] for p in expanded] == [body["messages"] for body in sent]
+    for before, body, call in zip(sent, sent[1:], calls[1:], strict=False):
+        prompt = call["prompt"]  # the reply sent back is not stored again
+        assert prompt["prefix_len"]["messages"] == len(before["messages"]) + 1
+        assert prompt["messages"] == body["messages"][-1:]
+        assert prompt["prefix_reply"]["from_output"] == ["content"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])

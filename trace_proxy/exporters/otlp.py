@@ -467,8 +467,12 @@ def _fill_messages(t: Trajectory, views: list[_CallView]) -> None:
                     "tools": v.call.prompt.tools,
                     "prefix_call": v.call.prompt.prefix_call,
                     "prefix_len": v.call.prompt.prefix_len,
+                    "prefix_reply": v.call.prompt.prefix_reply,
                 },
-                "outputs": [{"text": o.text} for o in v.call.outputs[:1]],
+                "outputs": [
+                    {"text": o.text, "tool_calls": o.tool_calls, "reasoning": o.reasoning}
+                    for o in v.call.outputs
+                ],
             }
             for v in views
         ]

@@ -506,6 +506,8 @@ def _generation_input(call: JSON) -> JSON:
     """What this call added to the conversation (the whole of it is the trace's messages)."""
     prompt = call.get("prompt") or {}
     shared = {"prefix_call": prompt.get("prefix_call"), "prefix_len": prompt.get("prefix_len")}
+    if prompt.get("prefix_reply") is not None:  # the previous reply, shared rather than stored
+        shared["prefix_reply"] = prompt["prefix_reply"]
     if prompt.get("messages") is not None:
         return {"messages": prompt["messages"], **shared}
     text = call.get("prompt_text")

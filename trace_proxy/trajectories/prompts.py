@@ -5,18 +5,32 @@ tool result. `share_prefixes` stores such a prompt as (earlier call, how many it
 context, new suffix); `expand_prompts` undoes it for readers of the stored JSON.
 
 A call's context is what a later prompt can extend: its prompt followed by its first output for
-token ids and text, its messages for chat (the client re-sends the assistant turn itself).
+token ids and text; for chat, its messages followed by the assistant message the client sends
+back for one of its outputs, when that message is the output's content, tool calls and
+reasoning as the server gave them (`reply_reference`): a turn then stores only what it added.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from trace_proxy.trajectories.record import GenerateCall, Prompt, ids_list
+from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, ids_list
 
 # Fewer shared items than this are not worth a reference (a message is worth it on its own).
 MIN_SHARED = {"token_ids": 4, "text": 16, "messages": 1}
+
+# The members of an assistant message a client echoes from a chat output, and the output's
+# field each one is rebuilt from (vLLM and SGLang name the reasoning either way).
+REPLY_FIELDS = {
+    "content": "text",
+    "tool_calls": "tool_calls",
+    "reasoning_content": "reasoning",
+    "reasoning": "reasoning",
+}
+# Members an echo must carry when the output has them: without them it is another message.
+_REQUIRED = ("content", "tool_calls")
 
 
 def shared_with_context(full: Prompt, call: GenerateCall, kind: str, value: Any) -> int | None:
@@ -33,6 +47,116 @@ def shared_with_context(full: Prompt, call: GenerateCall, kind: str, value: Any)
             return None
         return extension(full.text, first.text if first else None, value)
     return None if full.messages is None else common_prefix(full.messages, value)
+
+
+def reply_reference(message: Any, outputs: Sequence[Output]) -> dict[str, Any] | None:
+    """How `message`, sent after a call's messages, is rebuilt from one of that call's
+    `outputs`, or None when it is not such an echo.
+
+    `{"output": position in outputs, "message": the message with each member taken from the
+    output set to null (or to its shape, `_shape`, when the client wrote the members of its
+    objects in another order), "from_output": those members}`. A member is taken from the
+    output when it is the same JSON value as the output's field (types exact, objects by their
+    members); a member the output has no value for is kept only when empty (null, "", []);
+    content and tool calls the output has must be there. Anything else (an edited reply, one rebuilt
+    another way) is not an echo and is stored as sent."""
+    if not isinstance(message, dict) or message.get("role") != "assistant":
+        return None
+    for position, output in enumerate(outputs):
+        taken = _taken_from(message, output)
+        if taken:
+            skeleton = {
+                key: _shape(value, getattr(output, REPLY_FIELDS[key])) if key in taken else value
+                for key, value in message.items()
+            }
+            return {"output": position, "message": skeleton, "from_output": taken}
+    return None
+
+
+def _taken_from(message: dict[str, Any], output: Output) -> list[str] | None:
+    for key in _REQUIRED:
+        if key not in message and getattr(output, REPLY_FIELDS[key]) is not None:
+            return None
+    taken = []
+    for key, value in message.items():
+        field = REPLY_FIELDS.get(key)
+        if field is None:
+            continue
+        produced = getattr(output, field)
+        if produced is None:
+            if not (value is None or value == "" or value == []):
+                return None
+        elif same_json(value, produced):
+            taken.append(key)
+        else:
+            return None
+    return taken or None
+
+
+def same_json(a: Any, b: Any) -> bool:
+    """The same JSON value: types exact (1, 1.0 and true differ), objects by their members."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same_json(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return len(a) == len(b) and all(same_json(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def _shape(value: Any, produced: Any) -> Any:
+    """None when `value` is written as `produced` is (members in the same order), else its
+    shape: every leaf null, objects' members in the order the client wrote them."""
+    return None if _same_order(value, produced) else _leaves_nulled(value)
+
+
+def _same_order(a: Any, b: Any) -> bool:
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same_order(v, b[k]) for k, v in a.items())
+    if isinstance(a, list):
+        return all(_same_order(x, y) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def _leaves_nulled(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: _leaves_nulled(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_leaves_nulled(item) for item in value]
+    return None
+
+
+def _in_order_of(value: Any, shape: Any) -> Any:
+    """`value` with its objects' members in the order `shape` gives (a reader's side of
+    `_shape`; members the shape does not name follow, as they were)."""
+    if isinstance(value, dict) and isinstance(shape, dict):
+        ordered = {k: _in_order_of(value[k], shape[k]) for k in shape if k in value}
+        ordered.update((k, v) for k, v in value.items() if k not in ordered)
+        return ordered
+    if isinstance(value, list) and isinstance(shape, list):
+        return [_in_order_of(item, part) for item, part in zip(value, shape, strict=False)] + (
+            value[len(shape) :]
+        )
+    return value
+
+
+def reply_message(reference: Any, outputs: Any) -> dict[str, Any] | None:
+    """The assistant message a `prefix_reply` reference stands for (a stored record's JSON
+    form); None when the reference does not name an output of the call."""
+    if not isinstance(reference, dict) or not isinstance(outputs, list):
+        return None
+    position, skeleton = reference.get("output"), reference.get("message")
+    if type(position) is not int or not 0 <= position < len(outputs):
+        return None
+    output = outputs[position]
+    if not isinstance(skeleton, dict) or not isinstance(output, dict):
+        return None
+    message = dict(skeleton)
+    for key in reference.get("from_output") or []:
+        field = REPLY_FIELDS.get(key)
+        if field is not None and key in message:
+            message[key] = _in_order_of(copy.deepcopy(output.get(field)), message[key])
+    return message
 
 
 def extension(base: Sequence[Any], more: Sequence[Any] | None, value: Sequence[Any]) -> int:
@@ -77,6 +201,7 @@ def share_prefixes(
             ref, prev_full, prev_call = previous
             lengths: dict[str, int] = {}
             suffixes: dict[str, Any] = {}
+            reply: dict[str, Any] | None = None
             for kind, min_shared in MIN_SHARED.items():
                 value = getattr(full, kind)
                 if value is None:
@@ -87,6 +212,9 @@ def share_prefixes(
                         lengths[kind], suffixes[kind] = compared[1], value
                     continue
                 shared = shared_with_context(prev_full, prev_call, kind, value)
+                if kind == "messages" and shared == len(prev_full.messages or ()) < len(value):
+                    reply = reply_reference(value[shared], prev_call.outputs)
+                    shared += reply is not None
                 if shared is not None and shared >= min_shared:
                     lengths[kind] = shared
                     suffixes[kind] = value[shared:]
@@ -99,6 +227,7 @@ def share_prefixes(
                     tools=None if full.tools == prev_full.tools else (full.tools or []),
                     prefix_call=ref,
                     prefix_len=lengths,
+                    prefix_reply=reply if "messages" in lengths else None,
                 )
         previous = (position, full, call)
 
@@ -122,9 +251,13 @@ def expand_prompts(trajectory: dict[str, Any]) -> list[dict[str, Any]]:
                     context = (base.get("text") or "") + (first.get("text") or "")
                 else:
                     context = base.get("messages") or []
+                    reply = reply_message(prompt.get("prefix_reply"), calls[ref].get("outputs"))
+                    if reply is not None:
+                        context = [*context, reply]
                 prompt[kind] = context[:length] + (prompt.get(kind) or context[:0])
             prompt["prefix_call"] = None
             prompt["prefix_len"] = None
+            prompt["prefix_reply"] = None
         full.append(prompt)
     return full
 

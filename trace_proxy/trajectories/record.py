@@ -15,7 +15,7 @@ import orjson
 
 from trace_proxy import safejson
 
-SCHEMA_VERSION = "trace-proxy.trajectory/2"
+SCHEMA_VERSION = "trace-proxy.trajectory/3"
 KEY_FIELDS = ("experiment", "step", "sample_index", "rollout_n", "validate", "trajectory_id")
 
 
@@ -86,8 +86,9 @@ class Prompt:
 
     When `prefix_call` is set, the prompt extends an earlier call of the same trajectory: the
     full value is the first `prefix_len` items of that call's context (its prompt followed by its
-    first output, for token ids and text; its messages, for chat) followed by what is stored here.
-    `expand_prompt` rebuilds the full prompt.
+    first output, for token ids and text; its messages, for chat, followed by the assistant
+    message `prefix_reply` rebuilds from one of its outputs when set) followed by what is stored
+    here. `expand_prompts` rebuilds the full prompt.
     """
 
     token_ids: TokenIds | None = None  # an IdsText only in the capture process
@@ -96,6 +97,7 @@ class Prompt:
     tools: list[Any] | None = None
     prefix_call: int | None = None
     prefix_len: dict[str, int] | None = None
+    prefix_reply: dict[str, Any] | None = None  # prompts.reply_reference
 
 
 @dataclass(slots=True)
