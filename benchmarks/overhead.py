@@ -45,6 +45,7 @@ from benchlib.procs import (
     machine_busy_seconds,
     parse_placement,
     pinned_to,
+    run_on,
     start_nginx,
     start_trace_proxy,
     start_upstream,
@@ -70,7 +71,7 @@ VARIANTS = {
 SYSTEMS = (DIRECT, TRACE_PROXY, UNRECORDED, SAMPLED, OFF, INLINE, NGINX, LITELLM)
 MODES = (
     "json", "sse", "json-8k", "json-32k", "json@500/s", "json@1500/s", "sse@1700/s",
-    "json-500ms", "sse-250ms", "json-32k-2s",
+    "json-500ms", "sse-250ms", "json-32k-2s", "json-100ms-fixed-shared",
 )  # fmt: skip
 OPEN_LOOP_IN_FLIGHT = 512  # an open-loop cell's cap on requests in flight
 DRAIN_TIMEOUT = 120.0
@@ -278,6 +279,8 @@ def run_load(
         argv += ["--rate", str(spec.rate)]
     if spec.latency_ms is not None:
         argv += ["--latency-ms", str(spec.latency_ms)]
+    if spec.fixed:
+        argv += ["--latency-sigma", "0"]
     timeout = _warmup(args, mode) + _measured(args, mode) + LOAD_TIMEOUT + 60
     result = subprocess.run(
         argv,
@@ -286,7 +289,7 @@ def run_load(
         timeout=timeout,
         env=child_env(),
         cwd=BENCH_DIR,
-        preexec_fn=pinned_to(args.placement.load),
+        preexec_fn=None if spec.shared else pinned_to(args.placement.load),
     )
     if result.returncode != 0:
         raise BenchError(f"load generator failed ({result.returncode}):\n{result.stderr[-2000:]}")
@@ -312,6 +315,19 @@ def run_cell(
     args: argparse.Namespace, running: Running, where: tuple[int, str, int, str], step: int
 ) -> Cell:
     """Load one system at one concurrency; charge it the CPU of its recording backlog too."""
+    if parse_mode(where[1]).shared and args.placement.pinned:
+        run_on([running.upstream, *running.proxies.values()], None)  # all of them, every core
+        try:
+            return _run_cell(args, running, where, step)
+        finally:
+            run_on([running.upstream], args.placement.load)
+            run_on(list(running.proxies.values()), args.placement.system)
+    return _run_cell(args, running, where, step)
+
+
+def _run_cell(
+    args: argparse.Namespace, running: Running, where: tuple[int, str, int, str], step: int
+) -> Cell:
     round_, mode, concurrency, system = where
     proxy = running.proxies.get(system)
     proxy_cpu = proxy.cpu_seconds() if proxy else 0.0

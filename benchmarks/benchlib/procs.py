@@ -7,6 +7,7 @@ with SIGTERM, then SIGKILL after a grace period.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -97,6 +98,18 @@ def pinned_to(cpus: frozenset[int] | None) -> Callable[[], None] | None:
     if cpus is None:
         return None
     return lambda: os.sched_setaffinity(0, cpus)
+
+
+def run_on(procs: list[Proc], cpus: frozenset[int] | None) -> None:
+    """Move running processes (every thread of each, and their children) to these CPUs (None:
+    every CPU this process may use)."""
+    allowed = cpus if cpus is not None else os.sched_getaffinity(0)
+    for proc in procs:
+        for pid in proc.pids():
+            with contextlib.suppress(OSError):
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with contextlib.suppress(OSError):
+                        os.sched_setaffinity(int(task), allowed)
 
 
 def stop_on_sigterm() -> None:

@@ -169,15 +169,21 @@ def _workload(args: argparse.Namespace) -> str:
         )
     rates = [f"{mode.rate:g}" for mode in modes if mode.rate is not None]
     slow = [mode.name for mode in modes if mode.latency_ms is not None]
+    fixed = [mode.name for mode in modes if mode.fixed]
+    shared = [mode.name for mode in modes if mode.shared]
+    exactly = (
+        f" (`-fixed` modes, {', '.join(f'`{name}`' for name in fixed)}: exactly that time)"
+        if fixed
+        else ""
+    )
     slow_upstream = (
         f"; slow-upstream modes ({', '.join(f'`{name}`' for name in slow)}): each call asks the "
         f"upstream to take a generation time (for a stream, the time to its first event) drawn "
         f"from a lognormal distribution with that median and sigma {LATENCY_SIGMA:g} (p99 "
-        f"{math.exp(2.326 * LATENCY_SIGMA):.1f}x the median), the same for the same call through "
-        f"every system, run at the concurrencies of 64 and more after a warm-up of 4 medians "
-        f"and measured for at least 5; "
-        f"their added latency is computed from each call's latency minus the wait the upstream "
-        f"reports"
+        f"{math.exp(2.326 * LATENCY_SIGMA):.1f}x the median){exactly}, the same for the same "
+        "call through every system, run at the concurrencies of 64 and more after a warm-up of "
+        "4 medians and measured for at least 5; their added latency is computed from each "
+        "call's latency minus the wait the upstream reports"
         if slow
         else ""
     )
@@ -185,6 +191,13 @@ def _workload(args: argparse.Namespace) -> str:
         f"; open loop (`@RATE/s` modes) at {', '.join(rates)} requests/s, latency counted from "
         "each request's scheduled start, at most 512 in flight"
         if rates
+        else ""
+    )
+    sharing = (
+        f"; `-shared` modes ({', '.join(f'`{name}`' for name in shared)}) run unpinned whatever "
+        "`--pin` says: the system under test shares every core with the load generator and the "
+        "upstream, as a sidecar without a core of its own does"
+        if shared
         else ""
     )
     return (
@@ -198,6 +211,7 @@ def _workload(args: argparse.Namespace) -> str:
         + (f" with a {args.think_ms:g} ms pause after each response" if args.think_ms else "")
         + open_loop
         + slow_upstream
+        + sharing
         + f"; {args.warmup:g} s warm-up and "
         f"{args.duration:g} s measured per cell; {args.rounds} rounds, system order rotated "
         f"each round; a cell during which other processes used more than "

@@ -58,30 +58,39 @@ class Mode:
     """A benchmark mode as written on the command line: `json`, `sse`, a prompt size
     (`json-8k`, `sse-32k`), an upstream that takes time to answer (`json-500ms`: each call's
     generation time drawn from a lognormal distribution with that median; for `sse`, the time
-    to the first event) and, for an open loop, a fixed request rate (`json@500/s`)."""
+    to the first event) and, for an open loop, a fixed request rate (`json@500/s`).
+    `-fixed`: every call's generation time is the latency itself (no spread); `-shared`: the
+    cell runs unpinned, the system under test sharing every core with the client and the server,
+    as a sidecar without a core of its own does (`json-100ms-fixed-shared`: a rollout's shape)."""
 
     name: str
     stream: bool
     prompt_tokens: int
     rate: float | None  # requests per second; None: closed loop
     latency_ms: float | None = None  # median time the upstream takes; None: it answers at once
+    fixed: bool = False  # the upstream takes exactly `latency_ms`
+    shared: bool = False  # not pinned, whatever --pin says
 
 
 def parse_mode(name: str) -> Mode:
     base, _, rate = name.partition("@")
     kind, *suffixes = base.split("-")
     size, latency = "", ""
+    flags: set[str] = set()
     for suffix in suffixes:
         if suffix in PROMPT_SIZES and not size:
             size = suffix
+        elif suffix in ("fixed", "shared") and suffix not in flags:
+            flags.add(suffix)
         elif suffix.endswith("s") and not latency:
             latency = suffix
         else:
             kind = ""  # not a mode
-    if kind not in ("json", "sse"):
+    if kind not in ("json", "sse") or ("fixed" in flags and not latency):
         sizes = ", ".join(f"-{s}" for s in PROMPT_SIZES if s)
         raise ValueError(
-            f"unknown mode {name!r}: json or sse, optionally {sizes}, -LATENCY (-500ms), @RATE/s"
+            f"unknown mode {name!r}: json or sse, optionally {sizes}, -LATENCY (-500ms) with "
+            "-fixed, -shared, @RATE/s"
         )
     per_second = None
     if rate:
@@ -95,7 +104,10 @@ def parse_mode(name: str) -> Mode:
             median_ms = _milliseconds(latency)
         except ValueError:
             raise ValueError(f"mode {name!r}: the latency must read like -500ms or -2s") from None
-    return Mode(name, kind == "sse", PROMPT_SIZES[size], per_second, median_ms)
+    return Mode(
+        name, kind == "sse", PROMPT_SIZES[size], per_second, median_ms,
+        fixed="fixed" in flags, shared="shared" in flags,
+    )  # fmt: skip
 
 
 def _milliseconds(text: str) -> float:
