@@ -69,16 +69,21 @@ def plain_ids(value: Any) -> bool:
     )
 
 
+def flat(value: Any) -> bool:
+    """A list with no string, list or object in it: what the echo's cut takes."""
+    return isinstance(value, list) and not any(isinstance(v, (str, list, dict)) for v in value)
+
+
 @settings(max_examples=400, deadline=None)
 @given(documents, separators)
-def test_only_echoed_id_lists_are_cut_and_nothing_else_changes(
+def test_only_echoed_flat_lists_are_cut_and_nothing_else_changes(
     document: dict[str, Any], separator: tuple[str, str]
 ) -> None:
     body = json.dumps(document, separators=separator).encode()
     decoded = orjson.loads(without_prompt_echo(body))
-    if all(plain_ids(found) for found in echoes(document)):
+    if all(flat(found) for found in echoes(document)):
         assert decoded == nulled(document)
-    else:  # an echo that is not a plain list of ids: the body is decoded in full
+    else:  # an echo that is not a flat list: the body is decoded in full
         assert decoded == document
 
 

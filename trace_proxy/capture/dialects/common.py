@@ -250,7 +250,6 @@ def _continued_ids(text: bytes, known: tuple[bytes, int] | None) -> IdsText | No
 
 
 ECHO_KEY = b'"prompt_token_ids":'
-_INT_LIST_BYTES = b"0123456789,- \t\r\n"
 
 
 def without_prompt_echo(body: bytes) -> bytes:
@@ -258,9 +257,10 @@ def without_prompt_echo(body: bytes) -> bytes:
 
     vLLM echoes the prompt's ids in each response (`return_token_ids`). When the request
     carried them already, decoding the echo is the largest single cost of parsing a
-    long-prompt response (0.7 ms for 32k ids, against 0.07 ms to cut it out). Only a list made
-    of integer characters is cut, so its first `]` is its end (the cut list is not checked
-    further); anything else stays, and the body is decoded in full.
+    long-prompt response (0.7 ms for 32k ids, against 0.07 ms to cut it out). Only a flat list
+    of numbers (or literals) is cut: with no string, list or object in it (three byte searches,
+    a fifth of checking each byte), its first `]` is its end; anything else stays, and the body
+    is decoded in full. Its items are not checked: the request's ids are the record's.
     """
     found = body.find(ECHO_KEY)
     if found < 0:
@@ -272,13 +272,21 @@ def without_prompt_echo(body: bytes) -> bytes:
         if span is None:
             return body
         value, end = span
-        if body[value + 1 : end].translate(None, _INT_LIST_BYTES):
-            return body  # not a plain list of ids
+        if _not_flat(body, value + 1, end):
+            return body  # a string, list or object in it: its first `]` may not be its end
         pieces += (body[done:value], b"null")
         done = end + 1
         found = body.find(ECHO_KEY, done)
     pieces.append(body[done:])
     return b"".join(pieces)
+
+
+def _not_flat(body: bytes, start: int, end: int) -> bool:
+    return (
+        body.find(b'"', start, end) >= 0
+        or body.find(b"[", start, end) >= 0
+        or (body.find(b"{", start, end) >= 0)
+    )
 
 
 def stream_events(ex: Exchange, skip_prompt_echo: bool = False) -> Iterator[dict[str, Any]]:
