@@ -508,13 +508,16 @@ def _share_ids(
     1.2 MB each as Python ints). `build_trajectory` turns this into the record's prefix
     references, or undoes it when calls turned out to have started in another order."""
     prompt = call.prompt.token_ids  # a new call's: a list, or text whose ids were checked
+    known: tuple[bytes | None, list[int] | None] = (None, None)
+    if isinstance(prompt, IdsText):  # what decoding its request found, taken once
+        known, prompt.base, prompt.more = (prompt.base, prompt.more), None, None
     if latest is not None and call.start < latest.start:
         return  # an earlier start arriving late: left whole, sorted out at build
     if latest is not None and prompt is not None:
         first = latest.outputs[0] if latest.outputs else None
         output = first.token_ids if first else None
         count = trajectory.latest_count
-        tail = _tail(prompt, text, trajectory.latest_text, count)
+        tail = _tail(prompt, text, trajectory.latest_text, count, known)
         if tail is not None:
             # The same JSON text, then a comma: the same ids, without comparing them one by one.
             shared = count + extension((), output, tail)
@@ -539,11 +542,20 @@ def _share_ids(
         call.prompt.token_ids = IdsText(text, len(prompt))  # kept whole (a first prompt): as text
 
 
-def _tail(prompt: TokenIds, text: bytes | None, base: bytes | None, count: int) -> list[int] | None:
+def _tail(
+    prompt: TokenIds,
+    text: bytes | None,
+    base: bytes | None,
+    count: int,
+    known: tuple[bytes | None, list[int] | None] = (None, None),
+) -> list[int] | None:
     """The ids after the latest prompt's `count` when `text` is that prompt's text (`base`)
-    followed by more ids; else None."""
+    followed by more ids; else None. `known`: the text the request was found to continue when
+    it was decoded, and the ids after it (those, when it is `base` itself)."""
     if not count or text is None or base is None:
         return None
+    if known[0] is base and known[1] is not None and text is not base:
+        return known[1]
     after = ids_text_tail(text, base)
     if after is None:
         return None

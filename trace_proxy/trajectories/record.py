@@ -37,13 +37,20 @@ class RolloutKey:
 class IdsText:
     """Token ids kept as the JSON text they arrived in, between its brackets, once decoding it
     has shown it is a list of ints: a sixth of the memory of the ints (36 bytes each) while a
-    trajectory is open. `dumps` writes the text as it is; `ids_list` decodes it again."""
+    trajectory is open. `dumps` writes the text as it is; `ids_list` decodes it again.
 
-    __slots__ = ("count", "text")
+    `base` and `more`, while a new call is assembled: the text this one was found to continue
+    and the ids after it, decoded then, so that the assembler need not decode them again."""
 
-    def __init__(self, text: bytes, count: int) -> None:
+    __slots__ = ("base", "count", "more", "text")
+
+    def __init__(
+        self, text: bytes, count: int, base: bytes | None = None, more: list[int] | None = None
+    ) -> None:
         self.text = text
         self.count = count
+        self.base = base
+        self.more = more
 
     def decode(self) -> list[int]:
         ids: list[int] = orjson.loads(b"[" + self.text + b"]")

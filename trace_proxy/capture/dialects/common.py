@@ -246,7 +246,7 @@ def _continued_ids(text: bytes, known: tuple[bytes, int] | None) -> IdsText | No
         return None
     if not more or as_int_list(more) is None:
         return None  # `[known,]` is not JSON; `[known, 1.5]` not ids
-    return IdsText(text, count + len(more))
+    return IdsText(text, count + len(more), base, more)
 
 
 ECHO_KEY = b'"prompt_token_ids":'
