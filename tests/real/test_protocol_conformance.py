@@ -272,18 +272,25 @@ async def test_the_validators_report_what_the_definitions_do_not_allow(
     assert failures["chat"] == [f"{model}.token_ids: not declared by {model}"]
 
 
-def _exchange(path: str, request: Json, response: Json) -> Exchange:
+def _exchange(path: str, request: Json, response: Json, events: list[Json] | None) -> Exchange:
+    """A finished exchange: `response` as a JSON body, or `events` as an event stream."""
     headers = CIMultiDictProxy(CIMultiDict({"Content-Type": "application/json"}))
+    stream = CIMultiDictProxy(CIMultiDict({"Content-Type": "text/event-stream"}))
+    chunks = [orjson.dumps(response)]
+    if events is not None:
+        chunks = [b"data: " + orjson.dumps(e) + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
     return Exchange(
         method="POST", path=path, query="", request_headers=headers, path_metadata=[],
         upstream="u", start=0.0, request_body=orjson.dumps(request), status=200,
-        response_headers=headers, response_chunks=[orjson.dumps(response)], end=1.0,
+        response_headers=headers if events is None else stream, response_chunks=chunks, end=1.0,
     )  # fmt: skip
 
 
-def _parse(path: str, request: Json, response: Json) -> Any:
+def _parse(
+    path: str, request: Json, response: Json = None, events: list[Json] | None = None
+) -> Any:
     _, parser = DIALECTS[path]
-    (parsed,) = parser(_exchange(path, request, response), request)
+    (parsed,) = parser(_exchange(path, request, response, events), request)
     return parsed.call
 
 
@@ -297,6 +304,22 @@ SGLANG_SPECS = {
     "abort": {"id": "r3", "text": "", "output_ids": [], "logprobs": [], "prompt_tokens": 9,
               "completion_tokens": 0, "finish": {"type": "abort", "message": "Aborted"}},
 }  # fmt: skip
+# A stream of the "stop" answer in two chunks, as SGLang sends it by default (each chunk holds
+# everything so far) and with `--incremental-streaming-output` (each chunk its new tokens).
+FIRST = {
+    "id": "r1",
+    "text": "Hi",
+    "output_ids": [13048],
+    "logprobs": [-0.25],
+    "prompt_tokens": 9,
+    "completion_tokens": 1,
+    "finish": {},
+}
+STREAMS = {
+    "cumulative": [FIRST, SGLANG_SPECS["stop"]],
+    "incremental": [FIRST, {**SGLANG_SPECS["stop"], "text": ".", "output_ids": [13],
+                            "logprobs": [-1.5]}],
+}  # fmt: skip
 
 
 async def test_the_sglang_parser_reads_generate_answers_where_the_contract_puts_them(
@@ -305,6 +328,10 @@ async def test_the_sglang_parser_reads_generate_answers_where_the_contract_puts_
     builds = [
         {"label": name, "kind": "generate.response", "spec": spec}
         for name, spec in SGLANG_SPECS.items()
+    ] + [
+        {"label": f"{mode} {k}", "kind": "generate.response", "spec": spec}
+        for mode, chunks in STREAMS.items()
+        for k, spec in enumerate(chunks)
     ]
     built = (await _validate(sglang_protocol_python, "sglang", {"builds": builds}, tmp_path))[
         "built"
@@ -328,6 +355,13 @@ async def test_the_sglang_parser_reads_generate_answers_where_the_contract_puts_
     batch = [{**built["stop"], "index": 0}, {**built["length"], "index": 1}]
     call = _parse("/generate", {"text": "a", "sampling_params": {"n": 2}}, batch)
     assert [o.token_ids for o in call.outputs] == [[13048, 13], [64, 293]]
+    stop = SGLANG_SPECS["stop"]
+    for mode in STREAMS:
+        events = [built[f"{mode} 0"], built[f"{mode} 1"]]
+        (output,) = _parse("/generate", {**request, "stream": True}, events=events).outputs
+        assert (output.text, output.token_ids) == (stop["text"], stop["output_ids"]), mode
+        assert output.logprobs == stop["logprobs"], mode
+        assert (output.finish_reason, output.stop_reason) == ("stop", 151645), mode
 
 
 async def test_the_vllm_parsers_read_answers_where_vllms_models_put_them(
