@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -155,8 +156,7 @@ async def _documents(
                         kind = "generate.stream_error" if path == "/generate" else "openai.error"
                     documents.append({"label": f"{label} chunk {k}", "kind": kind, "body": event})
             else:
-                body_kind = response_kind
-                documents.append({"label": f"{label} response", "kind": body_kind,
+                documents.append({"label": f"{label} response", "kind": response_kind,
                                   "body": orjson.loads(raw)})  # fmt: skip
     return documents
 
@@ -191,7 +191,9 @@ def _newer(problem: str) -> bool:
     return (model, path.rsplit(".", 1)[-1]) in ADDED_IN_VLLM_0_33
 
 
-def _failures(result: Json, allowed: Any = lambda problem: False) -> dict[str, list[str]]:
+def _failures(
+    result: Json, allowed: Callable[[str], bool] = lambda problem: False
+) -> dict[str, list[str]]:
     failures = {
         label: [p for p in problems if not allowed(p)]
         for label, problems in result["problems"].items()
