@@ -250,3 +250,15 @@ def frameworks_python(_real_servers: _Servers) -> Path:
 def transformers_serve(_real_servers: _Servers) -> RealServer:
     """Real `transformers serve` on the tiny model; `model` is the model dir's path."""
     return _wait_healthy(_real_servers.launch("transformers_serve"))
+
+
+@pytest.fixture(scope="session")
+def sglang_protocol_python(_real_servers: _Servers) -> Path:
+    """The Python of the venv holding SGLang's wire definitions (no runtime, no server)."""
+    return _real_servers.provisioned.sglang_protocol_python
+
+
+@pytest.fixture(scope="session")
+def vllm_definitions_python(_real_servers: _Servers) -> Path:
+    """The real vLLM venv's Python, to import its protocol models (no server started)."""
+    return _real_servers.provisioned.vllm_python

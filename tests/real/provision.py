@@ -53,6 +53,7 @@ class VenvSpec:
     # whose declared pins clash with each other or with this Python; `packages` then holds
     # what they really import, pinned.
     no_deps: tuple[str, ...] = ()
+    torch: bool = True  # False: a venv that never imports torch (no multi-GB install)
 
 
 VLLM_VENV = VenvSpec(
@@ -123,6 +124,33 @@ VERL_VENV = VenvSpec(
         "verl.workers.rollout.llm_server"
     ),
 )
+# SGLang's wire definitions without its runtime (which needs CUDA builds of torch, triton and
+# torchvision): its generated JSON contract (`sglang.api.v1.api_types`, msgspec only) and its
+# OpenAI protocol models (pydantic, openai). tests/real/conformance/validate.py imports them
+# without running the package's `__init__`; these pins are what those modules import.
+SGLANG_PROTOCOL_VENV = VenvSpec(
+    name="sglang-protocol",
+    packages=(
+        "msgspec==0.22.0",
+        "openai==3.57.0",
+        "pydantic==2.14.4",
+        "numpy==2.4.6",
+        "pybase64==1.5.1",
+        "requests==2.34.2",
+        "ipython==9.18.1",
+        "tqdm==4.70.1",
+    ),
+    no_deps=("sglang==0.5.23",),
+    torch=False,
+    smoke=(
+        "import importlib.util, sys, types; root = importlib.util.find_spec('sglang'); "
+        "package = types.ModuleType('sglang'); "
+        "package.__path__ = list(root.submodule_search_locations); "
+        "sys.modules['sglang'] = package; "
+        "import sglang.api.v1.api_types, sglang.srt.entrypoints.api_contract, "
+        "sglang.srt.entrypoints.openai.protocol"
+    ),
+)
 SERVE_VENV = VenvSpec(
     name="serve",
     packages=("transformers[serving]==5.23.0",),
@@ -167,6 +195,7 @@ class Provisioned:
     model_dir: Path
     frameworks_python: Path  # the frameworks' client code (tests/real/frameworks)
     verl_python: Path
+    sglang_protocol_python: Path  # SGLang's wire definitions (tests/real/conformance)
 
 
 def default_cache_dir() -> Path:
@@ -212,6 +241,9 @@ def _venv_fingerprint(spec: VenvSpec) -> str:
     fields = asdict(spec)
     if not spec.no_deps:  # unchanged for the venvs that have none: they are not rebuilt
         del fields["no_deps"]
+    if not spec.torch:
+        return _fingerprint(fields)
+    del fields["torch"]  # as above: the venvs with torch keep their fingerprints
     return _fingerprint({"torch": TORCH_REQUIREMENT, **fields})
 
 
@@ -235,12 +267,8 @@ def _installed_torch(python: Path) -> str:
     return out.stdout.strip()
 
 
-def _install_venv(spec: VenvSpec, venv: Path, log_path: Path) -> None:
-    """Create the venv from scratch; without a torch pin, pip would swap in the CUDA build."""
-    shutil.rmtree(venv, ignore_errors=True)
-    log_path.write_text("")
-    _run([sys.executable, "-m", "venv", str(venv)], log_path)
-    python = venv / "bin" / "python"
+def _install_torch(spec: VenvSpec, python: Path, constraints: Path, log_path: Path) -> None:
+    """The CPU torch wheel, then a constraint that keeps later installs on it."""
     _run([*_pip(python), *_torch_index_args(), TORCH_REQUIREMENT], log_path)
     torch_version = _installed_torch(python)
     if "+cpu" not in torch_version:
@@ -248,9 +276,21 @@ def _install_venv(spec: VenvSpec, venv: Path, log_path: Path) -> None:
             f"{spec.name} venv: pip chose torch {torch_version}, not a CPU build (GBs of CUDA "
             "wheels); set TRACE_PROXY_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu"
         )
-    constraints = venv / "constraints.txt"
     constraints.write_text(f"torch=={torch_version}\n")
-    _run([*_pip(python), "-c", str(constraints), *spec.packages], log_path)
+
+
+def _install_venv(spec: VenvSpec, venv: Path, log_path: Path) -> None:
+    """Create the venv from scratch; torch first where needed (else pip would swap in the CUDA
+    build), then the packages, then those installed without their dependencies."""
+    shutil.rmtree(venv, ignore_errors=True)
+    log_path.write_text("")
+    _run([sys.executable, "-m", "venv", str(venv)], log_path)
+    python = venv / "bin" / "python"
+    if spec.torch:
+        _install_torch(spec, python, venv / "constraints.txt", log_path)
+        _run([*_pip(python), "-c", str(venv / "constraints.txt"), *spec.packages], log_path)
+    else:
+        _run([*_pip(python), *spec.packages], log_path)
     if spec.no_deps:
         _run([*_pip(python), "--no-deps", "--ignore-requires-python", *spec.no_deps], log_path)
     if spec.remove:
@@ -335,15 +375,17 @@ def provision(cache_dir: Path | None = None) -> Provisioned:
     """Make sure everything exists; installs what is missing, the venvs in parallel."""
     cache = (cache_dir or default_cache_dir()).expanduser().resolve()
     started = time.monotonic()
-    with locked(cache), ThreadPoolExecutor(max_workers=4) as pool:
+    with locked(cache), ThreadPoolExecutor(max_workers=5) as pool:
         vllm_future: Future[Path] = pool.submit(ensure_venv, cache, VLLM_VENV)
         verl_future: Future[Path] = pool.submit(ensure_venv, cache, VERL_VENV)
         serve_future = pool.submit(_serve_venv_and_model, cache)
         frameworks_future = pool.submit(ensure_venv, cache, FRAMEWORKS_VENV)
+        sglang_future = pool.submit(ensure_venv, cache, SGLANG_PROTOCOL_VENV)
         serve_venv, model_dir = serve_future.result()
         vllm_venv = vllm_future.result()
         frameworks_venv = frameworks_future.result()
         verl_venv = verl_future.result()
+        sglang_venv = sglang_future.result()
     _log(f"ready in {time.monotonic() - started:.1f} s (cache: {cache})")
     return Provisioned(
         cache_dir=cache,
@@ -352,6 +394,7 @@ def provision(cache_dir: Path | None = None) -> Provisioned:
         model_dir=model_dir,
         frameworks_python=frameworks_venv / "bin" / "python",
         verl_python=verl_venv / "bin" / "python",
+        sglang_protocol_python=sglang_venv / "bin" / "python",
     )
 
 
