@@ -1,14 +1,16 @@
-"""Shared fixtures: the real Qwen tokenizer (loaded once) and the fake inference servers."""
+"""Shared fixtures: the real Qwen tokenizer (loaded once), the fake inference servers, and the
+real servers of tests/real launched before the first test."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
+from real.servers import RealServers, real_servers
 
 from trace_proxy.demo.tokenizer import load_qwen_tokenizer
 
@@ -54,3 +56,18 @@ async def start_fake() -> AsyncIterator[StartFake]:
 def trackio_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """trackio reads its directory once per process, when imported: one for the session."""
     return tmp_path_factory.mktemp("trackio")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _real_servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RealServers]:
+    """The real servers the session's tests use (none when no real test runs), launched before
+    the first test of the session whatever its directory, so that their start-up overlaps the
+    tests before the first real one; stopped at session end."""
+
+    def make_work_dir() -> Path:
+        return tmp_path_factory.mktemp("real-servers")
+
+    with real_servers(request.session.items, make_work_dir) as servers:
+        yield servers

@@ -1,59 +1,18 @@
-"""Session fixtures that run real vLLM (CPU build) and real `transformers serve` on a tiny model.
+"""Fixtures of the real servers (servers.py), and the `real` mark on every test in this directory.
 
-Fakes can only be as faithful as our reading of the servers; these fixtures give the proxy's
-tests the real thing. Both servers are launched before either is waited on (vLLM alone needs about
-a minute), only the ones the selected tests use are started, and their whole process groups are
-stopped at session end. `TRACE_PROXY_SKIP_REAL=1` skips every test in this directory.
+`TRACE_PROXY_SKIP_REAL=1` skips every test here.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
-import subprocess
-import time
-import urllib.error
-import urllib.request
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
 
 import pytest
 
-from .provision import Provisioned, provision
+from .servers import REAL_TESTS_DIR, SKIP_ENV, RealServer, RealServers
 
-REAL_TESTS_DIR = Path(__file__).resolve().parent
-SKIP_ENV = "TRACE_PROXY_SKIP_REAL"
-STARTUP_TIMEOUT_ENV = "TRACE_PROXY_REAL_STARTUP_TIMEOUT"
-DEFAULT_STARTUP_TIMEOUT_S = 600.0  # vLLM takes 55-72 s alone; generous for a loaded 2-core CI
-STOP_TIMEOUT_S = 30.0
-HEALTH_POLL_S = 0.5
-LOG_TAIL_LINES = 60
-VLLM_MODEL_NAME = "tiny-qwen"
-
-
-@dataclass(frozen=True)
-class RealServer:
-    """What a test needs to talk to one running server."""
-
-    base_url: str  # e.g. http://127.0.0.1:40123 (no trailing slash, no /v1)
-    model: str  # the `model` to send in requests
-    model_dir: Path  # the tiny model; its tokenizer is the real Qwen one
-    log_path: Path  # the server's combined stdout/stderr
-
-
-@dataclass
-class _Launched:
-    """A started server process, not yet known to be healthy."""
-
-    name: str
-    server: RealServer
-    process: subprocess.Popen[bytes]
-    log_file: IO[bytes]
-    started_at: float
+__all__ = ["REAL_TESTS_DIR", "RealServer"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -67,198 +26,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.skip(reason=f"{SKIP_ENV} is set"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _launch(name: str, cmd: list[str], env: dict[str, str], server: RealServer) -> _Launched:
-    """Start in a new session so that stopping can signal every child (vLLM's engine core)."""
-    log_file = server.log_path.open("wb")
-    try:
-        process = subprocess.Popen(
-            cmd,
-            stdin=subprocess.DEVNULL,
-            stdout=log_file,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
-            start_new_session=True,
-        )
-    except OSError:
-        log_file.close()
-        raise
-    return _Launched(name, server, process, log_file, time.monotonic())
-
-
-def _launch_vllm(provisioned: Provisioned, work_dir: Path) -> _Launched:
-    port = _free_port()
-    cmd = [
-        str(provisioned.vllm_python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(provisioned.model_dir), "--served-model-name", VLLM_MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", "--enable-scale-out",
-        # Makes the random model call verl's test tool when offered it; no other prompt changes.
-        "--logits-processors", "verl_harness.scripted_tool_call:ScriptedToolCall",
-    ]  # fmt: skip
-    server = RealServer(
-        base_url=f"http://127.0.0.1:{port}",
-        model=VLLM_MODEL_NAME,
-        model_dir=provisioned.model_dir,
-        log_path=work_dir / "vllm.log",
-    )
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REAL_TESTS_DIR)}
-    return _launch("vLLM", cmd, env, server)
-
-
-def _launch_transformers_serve(provisioned: Provisioned, work_dir: Path) -> _Launched:
-    port = _free_port()
-    model = str(provisioned.model_dir)
-    cmd = [
-        str(provisioned.serve_bin), "serve", model,
-        "--host", "127.0.0.1", "--port", str(port), "--device", "cpu",
-    ]  # fmt: skip
-    hub_cache = work_dir / "hf-hub-cache"  # must exist, even offline
-    hub_cache.mkdir(exist_ok=True)
-    server = RealServer(
-        base_url=f"http://127.0.0.1:{port}",
-        model=model,
-        model_dir=provisioned.model_dir,
-        log_path=work_dir / "transformers-serve.log",
-    )
-    env = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(hub_cache)}
-    return _launch("transformers serve", cmd, env, server)
-
-
-LAUNCHERS: dict[str, Callable[[Provisioned, Path], _Launched]] = {
-    "real_vllm": _launch_vllm,
-    "transformers_serve": _launch_transformers_serve,
-}
-
-
-def _is_healthy(base_url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
-            return bool(response.status == 200)
-    except (urllib.error.URLError, ConnectionError, TimeoutError):
-        return False  # not listening yet, or 503 while the engine starts
-
-
-def _startup_timeout() -> float:
-    return float(os.environ.get(STARTUP_TIMEOUT_ENV) or DEFAULT_STARTUP_TIMEOUT_S)
-
-
-def _wait_healthy(launched: _Launched) -> RealServer:
-    """Poll /health until 200; fail fast with the log tail if the process dies or time runs out.
-
-    Waiting on the process between polls doubles as the poll interval and notices a crash at once.
-    """
-    deadline = launched.started_at + _startup_timeout()
-    while not _is_healthy(launched.server.base_url):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            _fail(launched, f"not healthy after {_startup_timeout():.0f} s")
-        try:
-            code = launched.process.wait(timeout=min(HEALTH_POLL_S, remaining))
-        except subprocess.TimeoutExpired:
-            continue
-        _fail(launched, f"exited with code {code} before becoming healthy")
-    elapsed = time.monotonic() - launched.started_at
-    url = launched.server.base_url
-    print(f"\n[real] {launched.name} healthy at {url} (first needed {elapsed:.1f} s after launch)")
-    return launched.server
-
-
-def _fail(launched: _Launched, why: str) -> None:
-    launched.log_file.flush()
-    log = launched.server.log_path
-    pytest.fail(f"{launched.name} {why}; last lines of {log}:\n{_tail(log)}", pytrace=False)
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
-    with contextlib.suppress(ProcessLookupError):  # the whole group is gone already
-        os.killpg(process.pid, sig)
-
-
-def _stop(launched: _Launched) -> None:
-    """SIGTERM the group (lets vLLM stop its engine core), SIGKILL whatever is left."""
-    _signal_group(launched.process, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        launched.process.wait(timeout=STOP_TIMEOUT_S)
-    _signal_group(launched.process, signal.SIGKILL)
-    launched.process.wait()
-    launched.log_file.close()
-
-
-class _Servers:
-    """The session's server processes, launched on first need and stopped together."""
-
-    def __init__(self, provisioned: Provisioned, work_dir: Path) -> None:
-        self.provisioned = provisioned
-        self._provisioned = provisioned
-        self._work_dir = work_dir
-        self._launched: dict[str, _Launched] = {}
-
-    def launch(self, name: str) -> _Launched:
-        if name not in self._launched:
-            self._launched[name] = LAUNCHERS[name](self._provisioned, self._work_dir)
-        return self._launched[name]
-
-    def stop_all(self) -> None:
-        for launched in self._launched.values():
-            _stop(launched)
-
-
-def _servers_used(session: pytest.Session) -> list[str]:
-    """Server fixtures the selected tests use, directly or through other fixtures."""
-    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
-    return [name for name in LAUNCHERS if name in used]
-
-
 @pytest.fixture(scope="session")
-def _real_servers(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[_Servers]:
-    """Provision, then launch every server the session uses at once so start-ups overlap."""
-    servers = _Servers(provision(), tmp_path_factory.mktemp("real-servers"))
-    try:
-        for name in _servers_used(request.session):
-            servers.launch(name)
-        yield servers
-    finally:
-        servers.stop_all()
-
-
-@pytest.fixture(scope="session")
-def real_vllm(_real_servers: _Servers) -> RealServer:
+def real_vllm(_real_servers: RealServers) -> RealServer:
     """Real vLLM (vllm-cpu) serving the tiny model as `tiny-qwen`, token-in/token-out enabled."""
-    return _wait_healthy(_real_servers.launch("real_vllm"))
+    return _real_servers.wait_healthy("real_vllm")
 
 
 @pytest.fixture(scope="session")
-def frameworks_python(_real_servers: _Servers) -> Path:
+def frameworks_python(_real_servers: RealServers) -> Path:
     """The Python of the venv holding the RL frameworks' own client code."""
     return _real_servers.provisioned.frameworks_python
 
 
 @pytest.fixture(scope="session")
-def transformers_serve(_real_servers: _Servers) -> RealServer:
+def transformers_serve(_real_servers: RealServers) -> RealServer:
     """Real `transformers serve` on the tiny model; `model` is the model dir's path."""
-    return _wait_healthy(_real_servers.launch("transformers_serve"))
+    return _real_servers.wait_healthy("transformers_serve")
 
 
 @pytest.fixture(scope="session")
-def sglang_protocol_python(_real_servers: _Servers) -> Path:
+def sglang_protocol_python(_real_servers: RealServers) -> Path:
     """The Python of the venv holding SGLang's wire definitions (no runtime, no server)."""
     return _real_servers.provisioned.sglang_protocol_python
 
 
 @pytest.fixture(scope="session")
-def vllm_definitions_python(_real_servers: _Servers) -> Path:
+def vllm_definitions_python(_real_servers: RealServers) -> Path:
     """The real vLLM venv's Python, to import its protocol models (no server started)."""
     return _real_servers.provisioned.vllm_python

@@ -211,24 +211,39 @@ class Built:
     server: Any
 
 
-def build(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: Any,
+@dataclass
+class Serving:
+    """verl's server actor and its load balancer, as its trainer starts them once: the four
+    managers share them (one Ray actor each, not four), and each run counts the calls that
+    reached the server while it ran."""
+
+    server: Any
+    balancer: Any
+
+    @classmethod
+    def start(cls, vllm_url: str, config: Any) -> Serving:
+        from verl.workers.rollout.router import get_router_handle
+        from verl_harness.server import CpuVllmServer
+
+        rollout = OmegaConf.to_container(config.actor_rollout_ref.rollout, resolve=True)
+        server = CpuVllmServer.remote(vllm_url, rollout)
+        address = vllm_url.removeprefix("http://")
+        balancer = get_router_handle(servers={address: server}, router_config_path=None,
+                                     full_determinism=False, load_balancer_cls=None)  # fmt: skip
+        return cls(server, balancer)
+
+
+def build(mode: str, serving: Serving, model_dir: str, work: Path, reward_workers: Any,
           sidecar: Any = None) -> Built:  # fmt: skip
     """One manager as verl's trainer builds it. `sidecar`: a running proxy (the one the first
     plugin manager started) that this one uses by URL instead of starting its own."""
     from verl.utils.import_utils import load_class_from_fqn
     from verl.workers.rollout.llm_server import LLMServerClient
-    from verl.workers.rollout.router import get_router_handle
-    from verl_harness.server import CpuVllmServer
 
     plugin = mode.endswith("plugin")
     v1 = mode.startswith("v1")
     config = compose_config(model_dir, work, plugin, v1, sidecar)
-    rollout = OmegaConf.to_container(config.actor_rollout_ref.rollout, resolve=True)
-    address = vllm_url.removeprefix("http://")
-    server = CpuVllmServer.remote(vllm_url, rollout)
-    balancer = get_router_handle(servers={address: server}, router_config_path=None,
-                                 full_determinism=False, load_balancer_cls=None)  # fmt: skip
-    client = LLMServerClient(config=config, load_balancer_handle=balancer)
+    client = LLMServerClient(config=config, load_balancer_handle=serving.balancer)
     fqn = config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
     if fqn:  # as verl's trainers do: main_ppo.py (v1), ray_trainer.py (legacy)
         manager_cls = load_class_from_fqn(fqn, "AgentLoopManager")
@@ -242,13 +257,19 @@ def build(mode: str, vllm_url: str, model_dir: str, work: Path, reward_workers: 
         teacher_client=None,
         reward_loop_worker_handles=reward_workers,
     )
-    return Built(mode, manager, server)
+    return Built(mode, manager, serving.server)
+
+
+def _server_calls(server: Any) -> int:
+    calls: int = ray.get(server.__ray_call__.remote(lambda s: s.calls))
+    return calls
 
 
 def run(built: Built, work: Path) -> None:
     """Two training steps and a validation pass, as the trainer hands them to the manager."""
     manager, server, v1 = built.manager, built.server, built.mode.startswith("v1")
     results: dict[str, Any] = {}
+    calls_before = _server_calls(server)
     for step in STEPS:
         ray.get(server.set_global_steps.remote(step))
         if v1:
@@ -263,7 +284,7 @@ def run(built: Built, work: Path) -> None:
         results["validate"] = v1_results(uids, True)
     else:
         results["validate"] = as_json(manager.generate_sequences(batch(STEPS[-1], True)))
-    results["server_calls"] = ray.get(server.__ray_call__.remote(lambda s: s.calls))
+    results["server_calls"] = _server_calls(server) - calls_before  # this run's alone
     (work / f"batches-{built.mode}.json").write_text(json.dumps(results))
 
 
@@ -283,10 +304,11 @@ def main() -> int:
         tq.init(config.transfer_queue)
     # Every manager first, so that their workers start at once; the second plugin manager
     # uses the proxy the first one started, by URL, as a sidecar is used.
+    serving = Serving.start(vllm_url, config)
     built: list[Built] = []
     started = None
     for mode in modes:
-        built.append(build(mode, vllm_url, model_dir, work, rewards.reward_loop_worker_handles,
+        built.append(build(mode, serving, model_dir, work, rewards.reward_loop_worker_handles,
                            started if mode.endswith("plugin") else None))  # fmt: skip
         started = started or getattr(built[-1].manager, "_trace_proxy", None)
     for each in built:
