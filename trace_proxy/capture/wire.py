@@ -94,12 +94,13 @@ OWN_BUFFER_FROM = 64 << 10  # a frame this long (after its head) is read into a 
 
 class FrameReader(asyncio.BufferedProtocol):
     """Frames as they arrive on the socket, read by the kernel straight into our buffers: small
-    frames into one reused scratch buffer, many per read; a frame of `own_buffer_from` bytes or
-    more into a buffer of its own size, so a long prompt is never joined from reads or moved
-    about (with a plain Protocol every read was a new bytes object, a frame spread over reads
-    was joined, and then cut into its parts: three copies of each body; now one, into the
-    bytes the exchange holds). Reading pauses while more than `max_waiting` frames wait for the
-    consumer, so a consumer that lags pushes back on the writer."""
+    frames into one reused scratch buffer, many per read; the rest of a frame of
+    `own_buffer_from` bytes or more (what the scratch buffer does not hold of it already) into
+    a buffer of that frame's size, so a long prompt is never joined from reads (with a plain
+    Protocol every read was a new bytes object, a frame spread over reads was joined, and then
+    cut into its parts: three copies of each body; now one, into the bytes the exchange holds).
+    Reading pauses while more than `max_waiting` frames wait for the consumer, so a consumer
+    that lags pushes back on the writer."""
 
     def __init__(self, max_waiting: int = 64, own_buffer_from: int = OWN_BUFFER_FROM) -> None:
         self._scratch = bytearray(max(SCRATCH_BYTES, 2 * own_buffer_from))
