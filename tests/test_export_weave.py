@@ -323,3 +323,53 @@ async def test_backend_weave_needs_an_entity(
     with pytest.raises(ConfigError, match=r"weave cannot start: .*--weave-entity or WANDB_ENTITY"):
         async with running_proxy(["http://127.0.0.1:9"], tmp_path, backend=["weave"]):
             raise AssertionError("the proxy started without a weave entity")
+
+
+IMPORTS_FROM_WORKER_THREADS = """
+import asyncio, builtins, sys, threading
+from fakes.weave_server import FakeWeaveServer
+from trace_proxy.exporters.weave import WeaveExporter
+from test_dropped_calls import all_dropped
+
+imported_by_workers = []
+real_import = builtins.__import__
+
+def watched_import(name, *args, **kwargs):
+    before = set(sys.modules)
+    module = real_import(name, *args, **kwargs)
+    if threading.current_thread() is not threading.main_thread():
+        imported_by_workers.extend(sorted(set(sys.modules) - before))
+    return module
+
+async def main():
+    fake = FakeWeaveServer()
+    async with fake.serve() as url:
+        exporter = WeaveExporter("ent", "proj", server_url=url, api_key="k" * 40)
+        builtins.__import__ = watched_import
+        await asyncio.to_thread(exporter.export, [all_dropped()])
+        builtins.__import__ = real_import
+    assert fake.calls, "nothing was exported"
+
+asyncio.run(main())
+print(imported_by_workers)
+"""
+
+
+def test_an_export_imports_no_module_from_a_worker_thread() -> None:
+    """Weave's client imports its resource modules lazily, from its worker threads, where two
+    imports at once can fail with `_DeadlockError` and lose an op save: in a fresh interpreter,
+    a first export must find every module it needs already imported."""
+    import subprocess
+    import sys
+
+    tests = Path(__file__).parent
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORTS_FROM_WORKER_THREADS],
+        capture_output=True,
+        text=True,
+        cwd=tests,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent)])},
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

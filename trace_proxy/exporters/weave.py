@@ -91,6 +91,11 @@ if TYPE_CHECKING:
 os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 
 # ImportError without the extra: the backend registry says `pip install 'trace-proxy[weave]'`.
+# The resources package first: weave's client imports each resource module on first use, from
+# whichever of its worker threads gets there first, and two threads importing the package and
+# one of its modules at once can fail with `_DeadlockError` and lose an op save. Imported here,
+# once, every resource module is loaded before any worker thread runs.
+import weave.vendor.weave_server_sdk.resources  # noqa: F401
 from weave.trace import settings as weave_settings
 from weave.trace.context import weave_client_context
 from weave.trace.env import weave_trace_server_url
