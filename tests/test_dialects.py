@@ -395,3 +395,28 @@ async def test_path_prefix_and_baggage_through_the_proxy(
 )
 def test_only_lists_of_integers_are_taken_as_token_ids(value: Any, is_token_ids: bool) -> None:
     assert as_int_list(value) is (value if is_token_ids else None)
+
+
+@pytest.mark.parametrize(
+    ("logprobs", "expected"),
+    [
+        ({"token_logprobs": [-0.5, -1.25]}, [-0.5, -1.25]),
+        ({"token_logprobs": [0, -1.5]}, [0.0, -1.5]),  # an int written for 0: a float
+        ({"token_logprobs": [-0.5, None]}, [-0.5, "nan"]),  # a gap in a completion: NaN
+        ({"content": [{"logprob": -0.5}, {"logprob": None}]}, None),  # chat: no gaps
+        ({"token_logprobs": [-0.5, True]}, None),
+        ({"token_logprobs": [-0.5, "-1.0"]}, None),
+        ({"content": [{"logprob": -2}, {"logprob": -0.25}]}, [-2.0, -0.25]),
+        ({"token_logprobs": []}, []),
+    ],
+)
+def test_chosen_logprobs_are_floats_or_nothing(logprobs: dict[str, Any], expected: Any) -> None:
+    from trace_proxy.capture.dialects.common import chosen_logprobs
+
+    got = chosen_logprobs(logprobs)
+    if expected is None:
+        assert got is None
+        return
+    assert got is not None
+    assert [type(value) for value in got] == [float] * len(expected)
+    assert [("nan" if value != value else value) for value in got] == expected

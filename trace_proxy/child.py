@@ -45,6 +45,10 @@ NICENESS = 19  # priority low, or idle where SCHED_IDLE is missing
 # nearly all freed by reference counting; at the default of 700 allocations a young
 # collection ran hundreds of times a second. Full collections scan every open trajectory.
 YOUNG_COLLECTION_EVERY = 20_000
+# mallopt's parameters (malloc.h) and what a helper sets them to (see `tune_malloc`).
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+MMAP_THRESHOLD = 32 << 20  # glibc's largest on 64-bit
+TRIM_THRESHOLD = 64 << 20
 SLOW_START = 60.0  # seconds after which a helper still starting is worth a warning
 MAX_RESTART_DELAY = 30.0
 PER_THREAD_PRIORITY = sys.platform.startswith("linux")  # else nice and policy are per process
@@ -255,6 +259,21 @@ def tune_gc() -> None:
     gc.set_threshold(YOUNG_COLLECTION_EVERY, middle, old)
 
 
+def tune_malloc() -> None:
+    """Freed memory kept for the next body instead of given back to the kernel (glibc's
+    malloc; nothing elsewhere). Bodies of 8k- and 32k-token prompts (50-800 kB) are at or above
+    its default threshold for mapping an allocation on its own, and what it frees at the heap's
+    top goes back to the kernel past twice that: the capture process's copies of each body went
+    to fresh pages, 130 page faults per 32k-token call, measured. Allocations under 32 MiB now
+    come from the heap, which keeps up to 64 MiB it no longer uses."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+
+
 def run_child(
     serve: Callable[[Lifeline], Coroutine[Any, Any, None]],
     started: Started,
@@ -276,6 +295,7 @@ def run_child(
     if whole_process or not PER_THREAD_PRIORITY:
         lower_priority(priority)
     tune_gc()
+    tune_malloc()
     logging.basicConfig(
         level="WARNING", format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
     )

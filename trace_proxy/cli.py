@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("trace_proxy").setLevel(settings.log_level)
     if command == "serve":
+        from trace_proxy.child import tune_malloc
+
+        tune_malloc()  # the forwarder copies long bodies too, as its helpers do
         return _run(_serve(settings))
     from trace_proxy.demo.run import run_demo
 

@@ -321,8 +321,17 @@ def chosen_logprobs(logprobs: Any) -> list[float] | None:
     return None
 
 
+_FLOAT = frozenset({float})
+_NUMBER = frozenset({float, int})
+
+
 def _floats(values: list[Any], missing: float | None) -> list[float] | None:
     """Numbers as floats; None (the JSON null) as `missing`; anything else: None for all."""
+    types = set(map(type, values))  # in C: the usual lists are all floats
+    if types <= _FLOAT:
+        return values
+    if types <= _NUMBER:
+        return list(map(float, values))
     out = []
     for value in values:
         if value is None and missing is not None:
