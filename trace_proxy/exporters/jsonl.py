@@ -203,7 +203,7 @@ class JsonlExporter:
         lines: dict[tuple[str, str, str], list[bytes]] = {}
         for record in records:
             line = record.line if isinstance(record, SpooledTrajectory) else dumps(record)
-            lines.setdefault(record_names(record), []).append(line + b"\n")
+            lines.setdefault(record_names(record), []).extend((line, b"\n"))  # copied once
         for names, chunk in lines.items():
             _write_all(self._open(*names), b"".join(chunk))  # whole lines, one write per file
 
