@@ -10,13 +10,17 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 from proxy_helpers import inline_pipeline, metric, trajectories
 
 from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.exporters.jsonl import JsonlExporter, record_path
-from trace_proxy.exporters.spool import Cursor
+from trace_proxy.exporters.pipeline import ExportPipeline
+from trace_proxy.exporters.runner import ExportRunner
+from trace_proxy.exporters.spool import Cursor, SpoolWriter
+from trace_proxy.metrics import ExportMetrics, Metrics
 from trace_proxy.trajectories.record import (
     SCHEMA_VERSION,
     GenerateCall,
@@ -365,3 +369,36 @@ def test_only_trajectory_lines_of_this_schema_are_taken_by_their_head() -> None:
     bare = b'{"id":"t","record":"trajectory"}'
     for not_taken in (other_schema, dumps(event("pause", 1.0)), line[:-1], bare):
         assert spooled_trajectory(not_taken) is None
+
+
+class Slow(Collecting):
+    """A backend that takes 20 ms per batch, as a remote one does; remembers each batch."""
+
+    def __init__(self) -> None:
+        super().__init__("slow")
+        self.batches = 0
+
+    def export(self, records: list[Record]) -> None:
+        self.batches += 1
+        time.sleep(0.02)
+        super().export(records)
+
+
+async def test_a_trickle_of_records_goes_out_in_few_batches(tmp_path: Path) -> None:
+    """Records that arrive one at a time while a lane exports (a rollout's pace) wait for the
+    linger and go out together: each batch costs cursor writes and thread hops whatever its
+    size. Without lingering after a batch, each 20 ms export was followed at once by another
+    of the few records that came meanwhile (about 15 batches here)."""
+    backend = Slow()
+    metrics = Metrics()
+    runner = ExportRunner(tmp_path / "spool", [backend], ExportMetrics(metrics.registry),
+                          linger=0.1)  # fmt: skip
+    pipeline = ExportPipeline(runner, metrics, SpoolWriter(tmp_path / "spool", max_bytes=1 << 30))
+    await pipeline.start()
+    for i in range(60):  # one record every 5 ms, for 0.3 s
+        pipeline.submit(record(i))
+        await asyncio.sleep(0.005)
+    await asyncio.wait_for(pipeline.flush(), 30)
+    assert [r.id for r in backend.records] == [f"t{i}" for i in range(60)]
+    assert backend.batches <= 6, backend.batches
+    await pipeline.close()

@@ -324,6 +324,12 @@ class ExportRunner:
             if records:
                 await self._deliver(lane, records, batch.next)
             await self._advance(lane, batch.next)
+            if len(batch.records) < self._batch_size and not self._hurry.is_set():
+                # Caught up: let the next batch gather as well. Each batch costs two cursor
+                # writes and five hops to the lane's thread whatever its size; at a rollout's
+                # pace, batches of a few trajectories each followed each other back to back.
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._hurry.wait(), self._linger)
 
     async def _deliver(self, lane: _Lane, records: Numbered, end: int) -> None:
         loop = asyncio.get_running_loop()
