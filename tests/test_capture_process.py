@@ -366,6 +366,38 @@ async def test_a_stalled_capture_process_never_holds_up_forwarding(
     assert all(len(t["calls"]) + t["summary"]["calls_dropped"] == 1 for t in records)
 
 
+async def test_a_capture_process_behind_keeps_what_its_queue_cannot_hold_on_disk(
+    fake_vllm: tuple[Any, str], tmp_path: Path
+) -> None:
+    """Parsing behind forwarding (stopped here, with a queue of one exchange): what arrives
+    meanwhile waits on disk, not in memory, and is recorded once parsing goes on; nothing is
+    dropped."""
+    _, upstream = fake_vllm
+    sent = 30
+    async with (
+        running_proxy([upstream], tmp_path, capture_queue=1) as (service, proxy),
+        aiohttp.ClientSession() as session,
+    ):
+        capture = service.recorder
+        assert isinstance(capture, CaptureProcess) and capture.pid is not None
+        os.kill(capture.pid, signal.SIGSTOP)
+        try:
+            for sample in range(sent):
+                await asyncio.wait_for(chat(session, proxy, 1, sample), GUARD)
+        finally:
+            os.kill(capture.pid, signal.SIGCONT)
+        await asyncio.wait_for(service.flush(), GUARD)
+        overflowed = metric(service.metrics, "trace_proxy_capture_overflowed_total")
+        dropped = sum(
+            metric(service.metrics, "trace_proxy_capture_dropped_total", reason=reason)
+            for reason in ("capture_queue_bytes", "capture_queue_full", "capture_overflow")
+        )
+    assert overflowed > 0 and dropped == 0
+    assert keys(tmp_path) == [(1, sample) for sample in range(sent)]
+    assert all(len(t["calls"]) == 1 for t in trajectories(tmp_path))
+    assert list((tmp_path / ".spool").glob("*overflow*")) == []
+
+
 async def test_a_call_dropped_for_lack_of_room_still_counts_in_its_trajectory(
     fake_vllm: tuple[Any, str], tmp_path: Path
 ) -> None:

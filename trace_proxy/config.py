@@ -343,7 +343,8 @@ OPTIONS: tuple[Option, ...] = (
            "in the proxy's (inline)", metavar="MODE", commands=("serve", "demo")),
     Option("capture_priority", parse_priority, "low", "CPU priority of the capture "
            "process: low (nice 19: forwarding has the cores first; while they are saturated "
-           "the backlog grows to --capture-queue-bytes, then exchanges are counted as dropped), "
+           "the backlog grows to --capture-queue-bytes, then on disk to "
+           "--capture-overflow-bytes, then exchanges are counted as dropped), "
            "normal (recording keeps up on saturated cores, at a cost to forwarding's latency "
            "and throughput) or idle", metavar="PRIORITY", commands=("serve", "demo")),
     Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed (inline: before "
@@ -353,9 +354,15 @@ OPTIONS: tuple[Option, ...] = (
            "exchange kept for recording; past it the call is recorded without its bodies, as "
            "unparsed with the reason (the bytes are forwarded all the same)", metavar="SIZE"),
     Option("capture_queue_bytes", parse_size, 512 << 20, "bytes of request and response bodies "
-           "waiting to be parsed before new exchanges are counted as dropped "
+           "waiting to be parsed in memory before new exchanges wait on disk (see "
+           "capture_overflow_bytes), then are counted as dropped "
            "(capture_queue_bytes; with a capture process, half wait in the proxy's buffer and "
            "half in its queue); bounds memory when prompts are long", metavar="SIZE"),
+    Option("capture_overflow_bytes", parse_size, 2 << 30, "disk budget, in the spool's "
+           "directory, for exchanges the capture process cannot hold in its queue while parsing "
+           "is behind: they wait there in order and are parsed as the load eases, instead of "
+           "being dropped; past it the backlog waits in the proxy's buffer, then is dropped and "
+           "counted (0: never on disk)", metavar="SIZE", commands=("serve", "demo")),
     Option("spool_dir", Path, None, "where closed trajectories wait on disk until every backend "
            "has them (default: OUTPUT/.spool)", metavar="DIR", commands=("serve", "demo")),
     Option("spool_max_bytes", parse_size, 1 << 30, "disk budget of the spool; past it the "
@@ -425,6 +432,7 @@ class Settings:
     capture_queue: int = 10000
     capture_max_body: int = 128 << 20
     capture_queue_bytes: int = 512 << 20
+    capture_overflow_bytes: int = 2 << 30
     spool_dir: Path | None = None
     spool_max_bytes: int = 1 << 30
     spool_fsync: float = 1.0

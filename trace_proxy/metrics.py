@@ -163,6 +163,16 @@ class Metrics:
             "Exchanges waiting to be parsed",
             registry=r,
         )
+        self.capture_overflowed = Counter(
+            "trace_proxy_capture_overflowed",
+            "Exchanges that waited on disk to be parsed, the capture queue being full",
+            registry=r,
+        )
+        self.capture_overflow_bytes = Gauge(
+            "trace_proxy_capture_overflow_bytes",
+            "Bytes on disk of exchanges waiting there to be parsed (capture process)",
+            registry=r,
+        )
         self.spool_dropped = Counter(
             "trace_proxy_spool_dropped",
             "Records that never reached the spool, by reason (queue_full: the memory queue in "

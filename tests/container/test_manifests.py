@@ -102,11 +102,12 @@ def test_the_pod_runs_trace_proxy_as_a_native_sidecar_in_front_of_the_server() -
     grace = float(options["TRACE_PROXY_SHUTDOWN_GRACE"])
     assert spec["terminationGracePeriodSeconds"] >= 2 * grace + 30
 
-    # The spool's budget fits its volume.
+    # The spool's budget and the capture overflow's, both in the spool's directory, fit its
+    # volume.
     (data,) = (v for v in spec["volumes"] if v["name"] == sidecar["volumeMounts"][0]["name"])
-    assert parse_size(options["TRACE_PROXY_SPOOL_MAX_BYTES"]) < parse_size(
-        data["emptyDir"]["sizeLimit"].replace("Gi", "GiB")
-    )
+    assert parse_size(options["TRACE_PROXY_SPOOL_MAX_BYTES"]) + parse_size(
+        options["TRACE_PROXY_CAPTURE_OVERFLOW_BYTES"]
+    ) < parse_size(data["emptyDir"]["sizeLimit"].replace("Gi", "GiB"))
 
     # Clients reach the server only through the proxy.
     (server,) = spec["containers"]

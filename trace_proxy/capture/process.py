@@ -435,7 +435,9 @@ async def _serve(started: Started, life: Lifeline) -> None:
     transport, reader = await loop.create_connection(FrameReader, sock=started.sock)
     metrics = Metrics()
     try:
-        recorder = Recorder(settings, metrics, queue_bytes=settings.capture_queue_bytes // 2)
+        recorder = Recorder(
+            settings, metrics, queue_bytes=settings.capture_queue_bytes // 2, overflow=True
+        )
         await recorder.start()
     except (ConfigError, TokenizerError) as exc:
         transport.write(orjson.dumps({

@@ -20,6 +20,7 @@ import aiohttp
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
+from trace_proxy.capture.overflow import Overflow
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.child import proxy_pid
 from trace_proxy.config import ConfigError, Settings
@@ -49,8 +50,11 @@ class Recorder:
         exporters: list[Exporter] | None = None,
         *,
         queue_bytes: int | None = None,
+        overflow: bool = False,
     ) -> None:
-        """Raises ConfigError when the spool directory cannot be used."""
+        """Raises ConfigError when the spool directory cannot be used. `overflow`: exchanges
+        the capture queue cannot hold wait on disk (see overflow.py) instead of in the
+        forwarder's buffer (the capture process)."""
         self.settings = settings
         self.metrics = metrics
         self._inline: ExportRunner | None = None
@@ -93,6 +97,9 @@ class Recorder:
             queue_bytes=settings.capture_queue_bytes if queue_bytes is None else queue_bytes,
             idle_check_interval=min(settings.idle_timeout / 4, 5.0),
             ledger=self.ledger,
+            overflow=Overflow(self.pipeline.spool_dir, settings.capture_overflow_bytes)
+            if overflow and settings.capture_overflow_bytes > 0
+            else None,
         )
         self.token2text: Token2Text | None = None  # inline exporting only
         self.tokenizer_discovery: asyncio.Future[None] | None = None  # once upstreams answered

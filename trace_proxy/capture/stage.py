@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -25,6 +25,7 @@ from trace_proxy.capture.dialects.common import decode_request, exchange_failure
 from trace_proxy.capture.exchange import Exchange, dropped_mark
 from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver
+from trace_proxy.capture.overflow import Overflow, OverflowLost
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.sessions import ended_session
 from trace_proxy.metrics import Metrics, children
@@ -54,7 +55,10 @@ class CaptureStage:
         queue_bytes: int = 512 << 20,
         ledger: Ledger | None = None,
         gather: float = GATHER,
+        overflow: Overflow | None = None,
     ) -> None:
+        """`overflow`: where `put` leaves exchanges while the queue is full, instead of
+        waiting for room (the capture process: see overflow.py)."""
         self._resolver = resolver
         self._ledger = ledger if ledger is not None else Ledger()
         self._assembler = assembler
@@ -68,6 +72,12 @@ class CaptureStage:
         self._max_bytes = queue_bytes
         self._queued_bytes = 0
         self._room = asyncio.Event()  # set whenever an exchange leaves the queue
+        self._overflow = overflow
+        self._overflowing = asyncio.Event()  # set while the overflow holds exchanges
+        self._overflow_empty = asyncio.Event()
+        self._overflow_empty.set()
+        self._overflow_refused: str | None = None  # why the disk last refused, logged once
+        self._overflowing_told = False  # logged the first time only: bursts are usual
         self._gather = gather
         self._gathering: asyncio.Future[None] | None = None  # the worker's wait, while it lasts
         self._draining = 0  # drains and stops under way: no gathering while they wait
@@ -85,7 +95,13 @@ class CaptureStage:
         self._newest_step: dict[tuple[Any, Any, bool], int] = {}
         # Read when the metrics are: setting them on every exchange was a few % of parsing.
         metrics.open_trajectories.set_function(lambda: assembler.open_count)
-        metrics.capture_queue.set_function(self._queue.qsize)
+        metrics.capture_queue.set_function(lambda: self._queue.qsize() + self._overflow_count)
+        if overflow is not None:
+            metrics.capture_overflow_bytes.set_function(lambda: overflow.disk_bytes)
+
+    @property
+    def _overflow_count(self) -> int:
+        return 0 if self._overflow is None else self._overflow.count
 
     def admit(self, exchange: Exchange) -> bool:
         """On the hot path: False when the headers name a sample the sampler has dropped, so
@@ -147,8 +163,17 @@ class CaptureStage:
 
     async def put(self, exchange: Exchange) -> None:
         """In the capture process: wait for room instead of dropping, so that the backlog
-        stays on the forwarding side, which bounds it and counts what it cannot hold."""
+        stays on the forwarding side, which bounds it and counts what it cannot hold. With an
+        overflow, what the queue cannot hold waits there instead, in order, and only a full
+        overflow makes this wait."""
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
+        overflow = self._overflow
+        while overflow is not None and (overflow.count or self._no_room_for(size)):
+            if self._spill(overflow, exchange):
+                return
+            self._room.clear()  # set as the queue or the overflow empties
+            self._hurry()
+            await self._room.wait()
         while self._queued_bytes + size > self._max_bytes and not self._queue.empty():
             self._room.clear()
             self._hurry()
@@ -158,6 +183,72 @@ class CaptureStage:
         exchange.size = size
         self._queued_bytes += size
         self._hurry_when_full()
+
+    def _no_room_for(self, size: int) -> bool:
+        return self._queue.full() or (
+            self._queued_bytes + size > self._max_bytes and not self._queue.empty()
+        )
+
+    def _spill(self, overflow: Overflow, exchange: Exchange) -> bool:
+        """Leave the exchange in the overflow, if it has room and the disk takes it."""
+        try:
+            if not overflow.append(exchange):
+                return False
+        except OSError as exc:
+            if self._overflow_refused is None:
+                log.error("exchanges wait for parsing in memory only: the disk refused: %s", exc)
+            self._overflow_refused = str(exc)
+            return False
+        if overflow.count == 1:
+            if not self._overflowing_told:
+                self._overflowing_told = True
+                log.info("parsing is behind forwarding: exchanges wait for it on disk, up to "
+                         "%d bytes (trace_proxy_capture_overflowed counts them)",
+                         overflow.max_bytes)  # fmt: skip
+            self._overflowing.set()
+            self._overflow_empty.clear()
+        self._overflow_refused = None
+        self._queued += 1
+        self._metrics.capture_overflowed.inc()
+        self._hurry()
+        return True
+
+    async def _refill(self) -> None:
+        """Move exchanges from the overflow to the queue as it has room, oldest first."""
+        overflow = self._overflow
+        assert overflow is not None
+        while True:
+            await self._overflowing.wait()
+            try:
+                while overflow.count:
+                    if self._no_room_for(overflow.next_size()):
+                        self._room.clear()
+                        await self._room.wait()
+                        continue
+                    exchange = overflow.pop()
+                    self._queue.put_nowait(exchange)
+                    self._queued_bytes += exchange.size
+                    self._hurry_when_full()
+            except OverflowLost as exc:
+                self._lose_overflow(str(exc))
+            self._overflowing.clear()
+            self._overflow_empty.set()
+            self._room.set()  # a put waiting for the overflow's room may go on
+
+    def _lose_overflow(self, why: str) -> None:
+        """The overflow cannot be read back: what it holds is counted as dropped."""
+        assert self._overflow is not None
+        lost = self._overflow.count
+        self._overflow.close()
+        self._ledger.settle(lost)
+        # The newest exchanges, never to be parsed: no one waits for them any longer.
+        self._queued -= lost
+        queued = self._queued
+        self._caught_up = deque((min(at, queued), done) for at, done in self._caught_up)
+        self._step_marks = deque((min(at, queued), hints) for at, hints in self._step_marks)
+        self._wake_waiters()
+        self._metrics.capture_dropped.labels("capture_overflow").inc(lost)
+        log.error("%d exchanges waiting on disk are lost: %s", lost, why)
 
     def _hurry_when_full(self) -> None:
         if self._queue.qsize() >= BEHIND or self._queued_bytes > self._max_bytes // 2:
@@ -172,6 +263,8 @@ class CaptureStage:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._work()), loop.create_task(self._close_idle())]
+        if self._overflow is not None:
+            self._tasks.append(loop.create_task(self._refill()))
 
     @property
     def is_caught_up(self) -> bool:
@@ -195,10 +288,18 @@ class CaptureStage:
         self._draining += 1
         self._hurry()
         try:
-            await self._queue.join()
+            await self._parsed_all()
         finally:
             self._draining -= 1
         await self._finish_closed()
+
+    async def _parsed_all(self) -> None:
+        """Until the queue and the overflow are both empty and every exchange is parsed."""
+        while True:
+            await self._overflow_empty.wait()
+            await self._queue.join()
+            if self._overflow_empty.is_set():
+                return
 
     async def stop(self, parse_within: float | None = None) -> None:
         """Parse everything already queued (within `parse_within` seconds, if given: what is
@@ -207,13 +308,12 @@ class CaptureStage:
         self._draining += 1  # never undone: the worker stops below
         self._hurry()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self._queue.join(), parse_within)
+            await asyncio.wait_for(self._parsed_all(), parse_within)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         left = 0
-        while not self._queue.empty():
-            exchange = self._queue.get_nowait()
+        for exchange in self._left_at_stop():
             if exchange.dropped is None:
                 left += 1
                 exchange = dropped_mark(exchange, "shutdown")
@@ -224,6 +324,21 @@ class CaptureStage:
             log.error("%d exchanges not parsed within %.1f s of stopping: counted as dropped",
                       left, parse_within)  # fmt: skip
         self._assembler.close_all("shutdown")
+
+    def _left_at_stop(self) -> Iterator[Exchange]:
+        """What was not parsed in time, oldest first: the queue's, then the overflow's heads
+        (their bodies are not read: they become the marks of dropped calls)."""
+        while not self._queue.empty():
+            yield self._queue.get_nowait()
+        overflow = self._overflow
+        if overflow is None:
+            return
+        try:
+            while overflow.count:
+                yield overflow.pop_head()
+        except OverflowLost as exc:
+            self._lose_overflow(str(exc))
+        overflow.close()
 
     async def _work(self) -> None:
         burst_started = time.perf_counter()
@@ -279,15 +394,18 @@ class CaptureStage:
         finally:
             self._queue.task_done()
             self._processed += 1
-            if self._step_marks:
-                self._tell_steps()
-            waiting = self._caught_up
-            while waiting and waiting[0][0] <= self._processed:
-                done = waiting.popleft()[1]
-                if not done.done():
-                    done.set_result(None)
+            self._wake_waiters()
             self._queued_bytes -= exchange.size
             self._room.set()
+
+    def _wake_waiters(self) -> None:
+        if self._step_marks:
+            self._tell_steps()
+        waiting = self._caught_up
+        while waiting and waiting[0][0] <= self._processed:
+            done = waiting.popleft()[1]
+            if not done.done():
+                done.set_result(None)
 
     async def _finish_closed(self) -> None:
         """Emit closed trajectories in bursts, yielding between them: a step change can close
