@@ -250,8 +250,12 @@ class CaptureStage:
         self._metrics.capture_dropped.labels("capture_overflow").inc(lost)
         log.error("%d exchanges waiting on disk are lost: %s", lost, why)
 
+    def _filling(self) -> bool:
+        """The queue is filling: parsing must not wait for exchanges to gather."""
+        return self._queue.qsize() >= BEHIND or self._queued_bytes > self._max_bytes // 2
+
     def _hurry_when_full(self) -> None:
-        if self._queue.qsize() >= BEHIND or self._queued_bytes > self._max_bytes // 2:
+        if self._filling():
             self._hurry()
 
     def _hurry(self) -> None:
@@ -360,9 +364,10 @@ class CaptureStage:
 
     async def _let_gather(self) -> None:
         """Wait up to `gather` seconds for exchanges to gather, unless someone waits for
-        parsing (a flush, a reward's `done`, a drain, a stop) or the queue fills."""
-        full = self._queue.qsize() >= BEHIND or self._queued_bytes > self._max_bytes // 2
-        if self._gather <= 0 or self._caught_up or self._draining or full:
+        parsing (a flush, a reward's `done`, a drain, a stop), the queue fills or more waits on
+        disk."""
+        behind = self._filling() or self._overflow_count > 0
+        if self._gather <= 0 or self._caught_up or self._draining or behind:
             return
         # A future and a timer, not `wait_for`: on Python 3.11 `wait_for` can swallow the
         # cancellation that stops the worker when its wait ends at the same moment.
