@@ -76,7 +76,7 @@ class CaptureStage:
         self._overflowing = asyncio.Event()  # set while the overflow holds exchanges
         self._overflow_empty = asyncio.Event()
         self._overflow_empty.set()
-        self._overflow_refused: str | None = None  # why the disk last refused, logged once
+        self._disk_refused = False  # logged once, until the disk takes one again
         self._overflowing_told = False  # logged the first time only: bursts are usual
         self._gather = gather
         self._gathering: asyncio.Future[None] | None = None  # the worker's wait, while it lasts
@@ -145,7 +145,7 @@ class CaptureStage:
     def submit(self, exchange: Exchange) -> None:
         """Called by the forwarder; never blocks, never raises."""
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
-        if self._queued_bytes + size > self._max_bytes and not self._queue.empty():
+        if self._over_bytes(size):
             self._metrics.capture_dropped.labels("capture_queue_bytes").inc()
             if not self._queue.full():  # a mark holds no body: the count bounds them
                 self._queue.put_nowait(dropped_mark(exchange, "capture_queue_bytes"))
@@ -174,7 +174,7 @@ class CaptureStage:
             self._room.clear()  # set as the queue or the overflow empties
             self._hurry()
             await self._room.wait()
-        while self._queued_bytes + size > self._max_bytes and not self._queue.empty():
+        while self._over_bytes(size):
             self._room.clear()
             self._hurry()
             await self._room.wait()
@@ -184,10 +184,12 @@ class CaptureStage:
         self._queued_bytes += size
         self._hurry_when_full()
 
+    def _over_bytes(self, size: int) -> bool:
+        """Past the byte budget with `size` more (a queue holds one exchange whatever size)."""
+        return self._queued_bytes + size > self._max_bytes and not self._queue.empty()
+
     def _no_room_for(self, size: int) -> bool:
-        return self._queue.full() or (
-            self._queued_bytes + size > self._max_bytes and not self._queue.empty()
-        )
+        return self._queue.full() or self._over_bytes(size)
 
     def _spill(self, overflow: Overflow, exchange: Exchange) -> bool:
         """Leave the exchange in the overflow, if it has room and the disk takes it."""
@@ -195,9 +197,9 @@ class CaptureStage:
             if not overflow.append(exchange):
                 return False
         except OSError as exc:
-            if self._overflow_refused is None:
+            if not self._disk_refused:
                 log.error("exchanges wait for parsing in memory only: the disk refused: %s", exc)
-            self._overflow_refused = str(exc)
+            self._disk_refused = True
             return False
         if overflow.count == 1:
             if not self._overflowing_told:
@@ -207,7 +209,7 @@ class CaptureStage:
                          overflow.max_bytes)  # fmt: skip
             self._overflowing.set()
             self._overflow_empty.clear()
-        self._overflow_refused = None
+        self._disk_refused = False
         self._queued += 1
         self._metrics.capture_overflowed.inc()
         self._hurry()
