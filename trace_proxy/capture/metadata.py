@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from trace_proxy.safejson import clean_text
+from trace_proxy.trajectories.record import RolloutKey
 
 FIELDS = (
     "project",
@@ -145,6 +146,10 @@ class KeyHints:
     values: dict[str, Any] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     annotations: list[dict[str, str]] = field(default_factory=list)
+    # The key the assembler made of these hints to look a prompt up, for the call it then
+    # adds (`Assembler.add_call` takes it: a call's key becomes its trajectory's, and may be
+    # filled in there, so no other call may share it).
+    key: RolloutKey | None = None
 
     def sample(self) -> tuple[Any, ...] | None:
         """What the sampler decides on, as these hints name it (None without a sample

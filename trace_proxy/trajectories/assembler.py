@@ -186,7 +186,7 @@ class Assembler:
     ) -> None:
         """`admitted`: the sampler already let this call in (see `admit_early`). `ids_text`:
         the JSON text the call's prompt ids were decoded from (see `decode_request`)."""
-        key = self._key(hints)
+        key, hints.key = hints.key or self._key(hints), None
         if self._inference is not None:
             if self._identity(key) is None:
                 self._inference.place(key, call)
@@ -217,7 +217,7 @@ class Assembler:
         already known to be ids, and how many (see `decode_request`). Before its first call:
         the first prompt of another rollout of the same sample (GRPO sends the same one to
         all), so that one is neither decoded nor held again."""
-        key = self._key(hints)
+        key = hints.key = self._key(hints)
         identity = self._identity(key)
         trajectory = self._open.get(identity) if identity is not None else None
         if trajectory is not None and trajectory.latest is not None:
