@@ -9,16 +9,19 @@ from pathlib import Path
 import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
-from test_capture_process import _fields
+from test_capture_process import _fields, _Transport
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.overflow import Overflow, OverflowLost
 from trace_proxy.capture.stage import CaptureStage
+from trace_proxy.capture.wire import HEAD, Frame, FrameReader, LongFrame, encode_exchange
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
-from trace_proxy.trajectories.record import Record, Trajectory
+from trace_proxy.trajectories.gate import SamplingGate
+from trace_proxy.trajectories.record import Record, Trajectory, ids_list
+from trace_proxy.trajectories.sampler import Policy, Sampler
 
 
 def exchange(sample: int, turn: int, prompt: list[int], done: bool = False) -> Exchange:
@@ -209,3 +212,154 @@ async def test_an_overflow_that_cannot_be_read_back_is_counted_and_nothing_waits
     await stage.stop()
     built = [r for r in out if isinstance(r, Trajectory)]
     assert len(built) == len(sent) - waiting
+
+
+def long_frames(sent: list[Exchange], own_buffer_from: int) -> list[Frame]:
+    """`sent` as the capture process's reader gives them: those of `own_buffer_from` bytes or
+    more (each fed in two reads, its head first) not taken apart."""
+    reader = FrameReader(len(sent) + 1, own_buffer_from, defer_long=True)
+    reader.connection_made(_Transport())
+    for item in sent:
+        frame = b"".join(encode_exchange(item))
+        reader.feed(frame[: HEAD.size + 4])
+        reader.feed(frame[HEAD.size + 4 :])
+    return list(reader._frames)
+
+
+async def test_long_frames_wait_on_disk_as_they_came_and_are_recorded_as_if_decoded(
+    tmp_path: Path,
+) -> None:
+    """While exchanges wait on disk, a long frame joins them without being decoded; what comes
+    back is the exchange itself, and the records are those of frames decoded at once."""
+    sent = rollouts(samples=5, turns=4)
+    frames = long_frames(sent, own_buffer_from=400)
+    assert sum(isinstance(f, LongFrame) for f in frames) > len(sent) // 2
+    assert [fields(f.decode() if isinstance(f, LongFrame) else f) for f in frames] == [
+        fields(x) for x in sent
+    ]
+
+    async def record(defer: bool) -> tuple[list[Trajectory], int]:
+        stage, out, metrics, ledger = stage_with_overflow(tmp_path / str(defer))
+        spilled = 0
+        for frame in frames:  # the stage is not started: the queue fills, the rest spills
+            if isinstance(frame, LongFrame):
+                if defer and stage.spill_long(frame):
+                    spilled += 1
+                    continue
+                frame = frame.decode()
+            assert isinstance(frame, Exchange)
+            await asyncio.wait_for(stage.put(frame), 5)
+        assert metrics.capture_overflowed._value.get() >= spilled
+        stage.start()
+        await asyncio.wait_for(stage.drain(), 10)
+        await stage.stop()
+        assert ledger.settled == 0
+        return [r for r in out if isinstance(r, Trajectory)], spilled
+
+    (decoded, none), (deferred, spilled) = await record(False), await record(True)
+    assert none == 0 and spilled > len(sent) // 2
+
+    def calls(trajectories: list[Trajectory]) -> list[tuple[object, ...]]:
+        return [
+            (t.key, t.close_reason, [(c.start, ids_list(c.prompt.token_ids), c.prompt.prefix_call,
+                                      c.prompt.prefix_len, c.outputs, c.request_headers)
+             for c in t.calls])
+            for t in trajectories
+        ]  # fmt: skip
+
+    assert calls(deferred) == calls(decoded) and len(decoded) == 5
+
+
+async def test_a_long_frame_is_decoded_first_when_nothing_waits_or_a_sampler_needs_its_headers(
+    tmp_path: Path,
+) -> None:
+    stage, _, _, _ = stage_with_overflow(tmp_path)
+    (frame,) = long_frames(rollouts(1, 1), own_buffer_from=100)
+    assert isinstance(frame, LongFrame)
+    assert not stage.spill_long(frame)  # an empty queue has room: parsed from memory
+    overflow = stage._overflow
+    assert overflow is not None
+    assert overflow.append(rollouts(1, 1)[0])  # something waits on disk: it goes after it
+    assert stage.spill_long(frame) and overflow.count == 2
+    sampling = SamplingGate(Sampler(train=Policy(max_samples=1)), lambda record: None)
+    stage._assembler._gate = sampling
+    assert stage._assembler.samples_early
+    assert not stage.spill_long(frame)  # the sampler decides on its headers first
+    assert overflow.count == 2
+
+
+def test_a_long_frame_that_is_not_ours_is_an_error_whatever_is_asked_of_it() -> None:
+    """The capture process stops reading on it, as on any frame that is not ours."""
+    junk = LongFrame((1, 4, 2, 2), bytearray(b'{"a"}xyzw'))
+    with pytest.raises(ValueError):
+        junk.decode()
+    with pytest.raises(ValueError):
+        junk.dropped  # noqa: B018
+    not_an_exchange = LongFrame((1, 2, 0, 0), bytearray(b"[]"))
+    with pytest.raises(ValueError):
+        not_an_exchange.dropped  # noqa: B018
+
+
+async def test_while_exchanges_wait_on_disk_reading_comes_before_parsing(tmp_path: Path) -> None:
+    """On a core the forwarder keeps busy, what the capture process gets goes to reading
+    while anything is there to read: only what is not read in time is dropped, and what is
+    read can wait on disk. Parsing goes on as soon as nothing waits to be read, when a `put`
+    waits for room (only parsing makes it) or when a flush waits for parsing."""
+    sent = rollouts(samples=8, turns=2)
+    size = len(sent[-1].request_body) + len(sent[-1].response_body)
+    stage, out, _, _ = stage_with_overflow(tmp_path, max_bytes=4 * (size + 600))
+    to_read = [True]
+    stage.unread = lambda: to_read[0]
+    for item in sent[:8]:
+        await asyncio.wait_for(stage.put(item), 5)
+    overflow = stage._overflow
+    assert overflow is not None and overflow.count > 0
+    stage.start()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert stage._processed == 0, "parsed while exchanges were still to be read"
+    putting = asyncio.ensure_future(asyncio.gather(*(stage.put(x) for x in sent[8:])))
+    await asyncio.wait_for(putting, 10)  # the overflow was full: parsing made room
+    assert stage._processed > 0 and to_read[0]
+    await asyncio.wait_for(stage.drain(), 10)  # a flush waits for parsing: it goes on
+    await stage.stop()
+    built = sorted((r for r in out if isinstance(r, Trajectory)), key=lambda t: t.key.sample_index)
+    assert [len(t.calls) for t in built] == [2] * 8
+
+
+async def test_parsing_goes_on_once_nothing_is_left_to_read(tmp_path: Path) -> None:
+    stage, _, _, _ = stage_with_overflow(tmp_path)
+    to_read = [True]
+    stage.unread = lambda: to_read[0]
+    for item in rollouts(samples=5, turns=1):
+        await stage.put(item)
+    stage.start()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert stage._processed == 0
+    to_read[0] = False
+    caught_up = asyncio.ensure_future(stage.caught_up())
+    await asyncio.wait_for(caught_up, 10)
+    assert stage._processed == 5
+    await stage.stop()
+
+
+async def test_long_frames_read_into_buffers_given_back_are_the_frames_sent() -> None:
+    """A long frame's buffer is reused for a later one, cut to its size: nothing of the
+    earlier frame shows through, longer or shorter."""
+    sent = [exchange(0, turn, list(range(n))) for turn, n in enumerate((900, 300, 1200, 50, 700))]
+    reader = FrameReader(8, own_buffer_from=200, defer_long=True)
+    reader.connection_made(_Transport())
+    buffers = set()
+    for item in sent:
+        frame = b"".join(encode_exchange(item))
+        reader.feed(frame[: HEAD.size + 4])
+        reader.feed(frame[HEAD.size + 4 :])
+        (long,) = reader._frames
+        reader._frames.clear()
+        assert isinstance(long, LongFrame)
+        assert len(long.buffer) == len(frame) - HEAD.size
+        assert fields(long.decode()) == fields(item)
+        buffers.add(id(long.buffer))
+        reader.give_back(long.buffer)
+    assert len(buffers) < len(sent)  # some were reused

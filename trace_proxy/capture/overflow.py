@@ -16,7 +16,13 @@ import tempfile
 from pathlib import Path
 
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.wire import EXCHANGE, HEAD, decode_exchange, encode_exchange
+from trace_proxy.capture.wire import (
+    EXCHANGE,
+    HEAD,
+    LongFrame,
+    decode_exchange,
+    encode_exchange,
+)
 
 
 class OverflowLost(OSError):
@@ -38,10 +44,10 @@ class Overflow:
         """The file's size (what it holds and what was read but not cut back yet)."""
         return self._write_at
 
-    def append(self, exchange: Exchange) -> bool:
+    def append(self, exchange: Exchange | LongFrame) -> bool:
         """False when the budget has no room for it; OSError when the disk refuses (nothing
-        is counted as held then)."""
-        frame = encode_exchange(exchange)
+        is counted as held then). A long frame is written as it came, not encoded again."""
+        frame = exchange.parts() if isinstance(exchange, LongFrame) else encode_exchange(exchange)
         length = sum(map(len, frame))
         if self._write_at + length > self.max_bytes:
             return False

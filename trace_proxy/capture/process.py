@@ -51,7 +51,7 @@ from trace_proxy.capture.ledger import Custody, Unsettled
 from trace_proxy.capture.metadata import KeyHints, MetadataResolver, parse_mapping
 from trace_proxy.capture.recorder import Recorder
 from trace_proxy.capture.routes import RouteKind, classify
-from trace_proxy.capture.wire import FrameReader, encode_control, encode_exchange
+from trace_proxy.capture.wire import FrameReader, LongFrame, encode_control, encode_exchange
 from trace_proxy.child import Helper, Started, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.lifeline import Lifeline
@@ -319,6 +319,7 @@ class _Child:
         self.tasks: set[asyncio.Task[None]] = set()
         self.refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # named to the proxy
         recorder.capture.on_refused = self._refused
+        recorder.capture.unread = reader.unread
         recorder.pipeline.before_write = self._spooling
 
     def send(self, message: dict[str, Any]) -> None:
@@ -367,9 +368,15 @@ class _Child:
         while True:
             try:
                 frame = await self.reader.next()
+                if isinstance(frame, LongFrame):
+                    decoded = self._take_long(frame)
+                    if decoded is None:
+                        continue
+                    frame = decoded
             except (EOFError, ValueError) as exc:
                 if isinstance(exc, ValueError):
                     log.error("the capture process stops reading: %s", exc)
+                    self.transport.close()
                 return None
             if isinstance(frame, Exchange):
                 if frame.dropped == REFUSED:
@@ -400,6 +407,16 @@ class _Child:
                 return float(frame["timeout"])
             else:
                 log.error("unknown control message %r from the proxy", op)
+
+    def _take_long(self, frame: LongFrame) -> Exchange | None:
+        """To disk as it came while exchanges wait there (None), else the exchange; its buffer
+        goes back to the reader for the next long frame either way."""
+        try:
+            if self.recorder.capture.spill_long(frame):
+                return None
+            return frame.decode()
+        finally:
+            self.reader.give_back(frame.buffer)
 
     def _spawn_task(self, coroutine: Any) -> None:
         task = asyncio.get_running_loop().create_task(coroutine)
@@ -432,7 +449,9 @@ async def _serve(started: Started, life: Lifeline) -> None:
     settings: Settings = started.payload
     loop = asyncio.get_running_loop()
     life.attach(loop)
-    transport, reader = await loop.create_connection(FrameReader, sock=started.sock)
+    transport, reader = await loop.create_connection(
+        functools.partial(FrameReader, defer_long=True), sock=started.sock
+    )
     metrics = Metrics()
     try:
         recorder = Recorder(

@@ -28,6 +28,7 @@ from trace_proxy.capture.metadata import KeyHints, MetadataResolver
 from trace_proxy.capture.overflow import Overflow, OverflowLost
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.sessions import ended_session
+from trace_proxy.capture.wire import LongFrame
 from trace_proxy.metrics import Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.record import ToolCall
@@ -83,6 +84,10 @@ class CaptureStage:
         self._draining = 0  # drains and stops under way: no gathering while they wait
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
+        # Are exchanges still to be read (the capture process's socket)? While some wait on
+        # disk, reading comes before parsing (see `_intake_first`).
+        self.unread: Callable[[], bool] | None = None
+        self._putting = 0  # puts waiting for room: reading cannot go on until parsing does
         # Told the hints of each call `admit` refuses (the sampler's refusals are final).
         self.on_refused: Callable[[KeyHints], None] | None = None
         # Refused calls that name a newer step than any before them in their run, each with
@@ -172,17 +177,53 @@ class CaptureStage:
             if self._spill(overflow, exchange):
                 return
             self._room.clear()  # set as the queue or the overflow empties
-            self._hurry()
-            await self._room.wait()
+            await self._wait_for_room()
         while self._over_bytes(size):
             self._room.clear()
-            self._hurry()
-            await self._room.wait()
+            await self._wait_for_room()
         await self._queue.put(exchange)
         self._queued += 1
         exchange.size = size
         self._queued_bytes += size
         self._hurry_when_full()
+
+    def spill_long(self, frame: LongFrame) -> bool:
+        """In the capture process, before a long frame is decoded: when exchanges wait on
+        disk already (or the queue has no room for it), it joins them as it came, which
+        costs a write instead of a decode, copies and an encode (a sampler that decides on
+        headers needs them first: then not). False: nothing done; decode it and `put` it."""
+        overflow = self._overflow
+        if (
+            overflow is None
+            or not (overflow.count or self._no_room_for(frame.size))
+            or self._assembler.samples_early
+            or frame.dropped is not None
+        ):
+            return False
+        return self._spill(overflow, frame)
+
+    async def _wait_for_room(self) -> None:
+        self._hurry()
+        self._putting += 1
+        try:
+            await self._room.wait()
+        finally:
+            self._putting -= 1
+
+    def _intake_first(self) -> bool:
+        """Should parsing let exchanges be read first? While some wait on disk, parsing is
+        behind: reading and leaving one there is a tenth of parsing it (at 32k-token prompts),
+        and only what is not read in time is dropped (by the forwarder, whose buffer fills).
+        A core the forwarder keeps busy leaves this process little: it goes to reading. Not
+        while a `put` waits for room, which only parsing makes, nor while a flush or a stop
+        waits for parsing."""
+        return (
+            self._overflow_count > 0
+            and not self._putting
+            and not self._draining
+            and self.unread is not None
+            and self.unread()
+        )
 
     def _over_bytes(self, size: int) -> bool:
         """Past the byte budget with `size` more (a queue holds one exchange whatever size)."""
@@ -191,7 +232,7 @@ class CaptureStage:
     def _no_room_for(self, size: int) -> bool:
         return self._queue.full() or self._over_bytes(size)
 
-    def _spill(self, overflow: Overflow, exchange: Exchange) -> bool:
+    def _spill(self, overflow: Overflow, exchange: Exchange | LongFrame) -> bool:
         """Leave the exchange in the overflow, if it has room and the disk takes it."""
         try:
             if not overflow.append(exchange):
@@ -350,6 +391,9 @@ class CaptureStage:
         burst_started = time.perf_counter()
         assembler = self._assembler
         while True:
+            while self._intake_first():
+                await asyncio.sleep(0)
+                burst_started = time.perf_counter()
             self._handle(await self._queue.get())
             if assembler.pending:  # trajectories this closed: at least one, within the budget
                 self._run_pending(until=burst_started + BURST)

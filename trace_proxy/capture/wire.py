@@ -9,7 +9,10 @@ length; everything that costs (JSON decoding of token ids) happens on the other 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import struct
+import sys
+import termios
 from collections import deque
 from typing import Any
 
@@ -54,10 +57,15 @@ def encode_exchange(exchange: Exchange) -> list[bytes]:
 
 
 def decode_exchange(meta: bytes, request: bytes, response: bytes) -> Exchange:
+    return exchange_of(orjson.loads(meta), request, response)
+
+
+def exchange_of(meta: list[Any], request: bytes, response: bytes) -> Exchange:
+    """An exchange from its decoded JSON part (`encode_exchange`'s tuple) and its bodies."""
     (
         method, path, query, request_headers, path_metadata, upstream, start, status,
         response_headers, first_byte, end, error, tool_route, admitted, dropped, skipped,
-    ) = orjson.loads(meta)  # fmt: skip
+    ) = meta  # fmt: skip
     return Exchange(
         method=method,
         path=path,
@@ -85,11 +93,65 @@ def encode_control(message: dict[str, Any]) -> bytes:
     return HEAD.pack(CONTROL, len(meta), 0, 0) + meta
 
 
-Frame = Exchange | dict[str, Any]
+DROPPED_AT = 14  # where `dropped` is in the JSON part
 
 
-SCRATCH_BYTES = 256 << 10  # what one read may take of frames that are not read apart
+class LongFrame:
+    """An exchange's frame read into a buffer of its own and not taken apart yet (see
+    `FrameReader`'s `defer_long`): while exchanges wait on disk it goes there as it came
+    (`overflow.py`), with no copy of its bodies and no decoding; else `decode` makes it the
+    exchange."""
+
+    __slots__ = ("_meta", "buffer", "head")
+
+    def __init__(self, head: tuple[int, int, int, int], buffer: bytearray) -> None:
+        self.head = head  # kind, JSON length, request body length, response body length
+        self.buffer = buffer  # the JSON part and both bodies, as they follow the head
+        self._meta: list[Any] | None = None
+
+    @property
+    def size(self) -> int:
+        """Body bytes (what the exchange weighs in the capture queue)."""
+        return self.head[2] + self.head[3]
+
+    @property
+    def dropped(self) -> str | None:
+        """Why the forwarder kept no bodies (see `Exchange.dropped`); None for most."""
+        dropped: str | None = self._decoded_meta()[DROPPED_AT]
+        return dropped
+
+    def parts(self) -> list[bytes | bytearray]:
+        """The frame as it crossed the socket, as buffers to write in order (not copied)."""
+        return [HEAD.pack(*self.head), self.buffer]
+
+    def decode(self) -> Exchange:
+        """ValueError when the frame is not one of ours."""
+        _, meta, request, response = self.head
+        view = memoryview(self.buffer)
+        request_end = meta + request
+        return exchange_of(
+            self._decoded_meta(),
+            bytes(view[meta:request_end]) if request else b"",
+            bytes(view[request_end : request_end + response]) if response else b"",
+        )
+
+    def _decoded_meta(self) -> list[Any]:
+        if self._meta is None:
+            meta = orjson.loads(memoryview(self.buffer)[: self.head[1]])
+            if not isinstance(meta, list) or len(meta) <= DROPPED_AT:
+                raise ValueError("an exchange's JSON part that is not one")
+            self._meta = meta
+        return self._meta
+
+
+Frame = Exchange | dict[str, Any] | LongFrame
+
+
+SCRATCH_BYTES = 256 << 10  # frames not read apart; a read takes at most `own_buffer_from`
 OWN_BUFFER_FROM = 64 << 10  # a frame this long (after its head) is read into a buffer of its own
+# Long frames' buffers kept for the next ones: as many as wait to be taken in a burst (up to
+# `max_waiting` frames of 400 kB at 32k-token prompts).
+SPARE_BYTES = 32 << 20
 
 
 class FrameReader(asyncio.BufferedProtocol):
@@ -100,21 +162,34 @@ class FrameReader(asyncio.BufferedProtocol):
     Protocol every read was a new bytes object, a frame spread over reads was joined, and then
     cut into its parts: three copies of each body; now one, into the bytes the exchange holds).
     Reading pauses while more than `max_waiting` frames wait for the consumer, so a consumer
-    that lags pushes back on the writer."""
+    that lags pushes back on the writer. A long frame's buffer given back (`give_back`) is
+    read into again: a new one is zeroed first, as costly as reading it."""
 
-    def __init__(self, max_waiting: int = 64, own_buffer_from: int = OWN_BUFFER_FROM) -> None:
+    def __init__(
+        self,
+        max_waiting: int = 64,
+        own_buffer_from: int = OWN_BUFFER_FROM,
+        *,
+        defer_long: bool = False,
+    ) -> None:
+        """`defer_long`: an exchange read into a buffer of its own comes as a `LongFrame`,
+        decoded by the consumer only if it needs the exchange (the capture process)."""
         self._scratch = bytearray(max(SCRATCH_BYTES, 2 * own_buffer_from))
         self._view = memoryview(self._scratch)
         self._start = 0  # scratch[start:end] is read and not yet taken apart
         self._end = 0
         self._own_buffer_from = own_buffer_from
+        self._defer_long = defer_long
         self._head: tuple[int, int, int, int] | None = None  # of the frame being read
         self._own: bytearray | None = None  # the frame being read into a buffer of its own
         self._own_filled = 0
+        self._spare: deque[bytearray] = deque()  # long frames' buffers given back
+        self._spare_bytes = 0
         self._frames: deque[Frame] = deque()
         self._max_waiting = max_waiting
         self._waiter: asyncio.Future[None] | None = None
         self._transport: asyncio.Transport | None = None
+        self._fd: int | None = None  # the socket's, for `unread`
         self._paused = False
         self._ended = False
         self._error: Exception | None = None
@@ -152,6 +227,21 @@ class FrameReader(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
         self.closed = asyncio.get_running_loop().create_future()
+        sock = transport.get_extra_info("socket")
+        self._fd = sock.fileno() if sock is not None else None
+
+    def unread(self) -> bool:
+        """Are frames waiting to be taken, or bytes to be read? (One system call: the
+        capture stage asks it between exchanges while it is behind.)"""
+        if self._frames:
+            return True
+        if self._fd is None or self._ended or self._paused:
+            return False
+        try:
+            waiting = fcntl.ioctl(self._fd, termios.FIONREAD, b"\0\0\0\0")
+        except OSError:
+            return False
+        return bool(int.from_bytes(waiting, sys.byteorder))
 
     def get_buffer(self, sizehint: int) -> memoryview:
         own = self._own
@@ -163,7 +253,10 @@ class FrameReader(asyncio.BufferedProtocol):
             left = self._end - self._start
             self._view[:left] = self._view[self._start : self._end]
             self._start, self._end = 0, left
-        return self._view[self._end :]
+        # A read takes at most `own_buffer_from` bytes here: of a long frame, what is read
+        # into the scratch is copied to its own buffer (a read of all the scratch copied most
+        # of a 32k-token prompt's frame twice), the rest is read straight into that.
+        return self._view[self._end : self._end + self._own_buffer_from]
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
@@ -171,7 +264,11 @@ class FrameReader(asyncio.BufferedProtocol):
                 self._own_filled += nbytes
                 if self._own_filled == len(self._own):
                     own, self._own = self._own, None
-                    self._frames.append(_frame(own, 0, *self._take_head()))
+                    head = self._take_head()
+                    if self._defer_long and head[0] == EXCHANGE:
+                        self._frames.append(LongFrame(head, own))
+                    else:
+                        self._frames.append(_frame(own, 0, *head))
             else:
                 self._end += nbytes
                 self._take_frames()
@@ -209,7 +306,7 @@ class FrameReader(asyncio.BufferedProtocol):
                     raise ValueError("a frame without its JSON part")
                 need = meta + request + response
                 if need >= self._own_buffer_from and end - start < need:
-                    self._own = own = bytearray(need)
+                    self._own = own = self._new_own(need)
                     have = end - start  # less than it needs: the rest goes straight there
                     own[:have] = view[start:end]
                     start += have
@@ -225,6 +322,37 @@ class FrameReader(asyncio.BufferedProtocol):
         if start == end:
             start = end = 0
         self._start, self._end = start, end
+
+    def _new_own(self, need: int) -> bytearray:
+        """A buffer for a long frame: the last one given back, made the size needed. A new
+        one is zeroed, which cost as much as reading the frame into it (45 µs for the 400 kB
+        of a 32k-token prompt's); a bytearray cut shorter keeps its memory, so growing it back
+        zeroes only what it grows by."""
+        spare = self._spare
+        while spare:
+            buffer = spare.pop()
+            self._spare_bytes -= len(buffer)
+            grow = need - len(buffer)
+            if grow > need // 4:
+                continue  # as costly as a new one
+            try:
+                if grow <= 0:
+                    del buffer[need:]
+                else:
+                    buffer += bytes(grow)
+            except BufferError:  # still viewed: left to the collector
+                continue
+            return buffer
+        return bytearray(need)
+
+    def give_back(self, buffer: bytearray) -> None:
+        """A `LongFrame`'s buffer once its frame is written to disk or decoded: the next long
+        frame is read into it."""
+        spare = self._spare
+        spare.append(buffer)
+        self._spare_bytes += len(buffer)
+        while self._spare_bytes > SPARE_BYTES:
+            self._spare_bytes -= len(spare.popleft())
 
     def _take_head(self) -> tuple[int, int, int, int]:
         head, self._head = self._head, None
