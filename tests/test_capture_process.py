@@ -27,7 +27,13 @@ from test_lifecycle import start_serve
 
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.process import CaptureProcess
-from trace_proxy.capture.wire import HEAD, FrameReader, encode_control, encode_exchange
+from trace_proxy.capture.wire import (
+    HEAD,
+    OWN_BUFFER_FROM,
+    FrameReader,
+    encode_control,
+    encode_exchange,
+)
 from trace_proxy.show import iter_records, show
 
 GUARD = 60
@@ -163,10 +169,15 @@ async def test_a_frame_that_is_not_ours_closes_the_connection() -> None:
 
 
 async def chat(
-    session: aiohttp.ClientSession, proxy: str, step: int, sample: int, done: bool = True
+    session: aiohttp.ClientSession,
+    proxy: str,
+    step: int,
+    sample: int,
+    done: bool = True,
+    content: str = "",
 ) -> bytes:
     """One turn of a keyed trajectory; `done` closes the trajectory."""
-    body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": f"q{sample}"}],
+    body = {"model": "tiny-qwen", "messages": [{"role": "user", "content": f"q{sample}{content}"}],
             "max_tokens": 4}  # fmt: skip
     headers = {"X-Rollout-Step": str(step), "X-Rollout-Sample-Index": str(sample),
                "X-Rollout-N": "0"}  # fmt: skip
@@ -366,12 +377,14 @@ async def test_a_stalled_capture_process_never_holds_up_forwarding(
     assert all(len(t["calls"]) + t["summary"]["calls_dropped"] == 1 for t in records)
 
 
+@pytest.mark.parametrize("content", ["", "x" * (OWN_BUFFER_FROM + 100)], ids=["short", "long"])
 async def test_a_capture_process_behind_keeps_what_its_queue_cannot_hold_on_disk(
-    fake_vllm: tuple[Any, str], tmp_path: Path
+    fake_vllm: tuple[Any, str], tmp_path: Path, content: str
 ) -> None:
     """Parsing behind forwarding (stopped here, with a queue of one exchange): what arrives
     meanwhile waits on disk, not in memory, and is recorded once parsing goes on; nothing is
-    dropped."""
+    dropped. A long exchange waits there as the bytes it arrived in, read into a buffer the
+    one before it used: each is recorded as sent."""
     _, upstream = fake_vllm
     sent = 30
     async with (
@@ -383,7 +396,7 @@ async def test_a_capture_process_behind_keeps_what_its_queue_cannot_hold_on_disk
         os.kill(capture.pid, signal.SIGSTOP)
         try:
             for sample in range(sent):
-                await asyncio.wait_for(chat(session, proxy, 1, sample), GUARD)
+                await asyncio.wait_for(chat(session, proxy, 1, sample, content=content), GUARD)
         finally:
             os.kill(capture.pid, signal.SIGCONT)
         await asyncio.wait_for(service.flush(), GUARD)
@@ -395,6 +408,9 @@ async def test_a_capture_process_behind_keeps_what_its_queue_cannot_hold_on_disk
     assert overflowed > 0 and dropped == 0
     assert keys(tmp_path) == [(1, sample) for sample in range(sent)]
     assert all(len(t["calls"]) == 1 for t in trajectories(tmp_path))
+    assert sorted(
+        t["calls"][0]["prompt"]["messages"][0]["content"] for t in trajectories(tmp_path)
+    ) == sorted(f"q{sample}{content}" for sample in range(sent))
     assert list((tmp_path / ".spool").glob("*overflow*")) == []
 
 

@@ -326,8 +326,8 @@ class FrameReader(asyncio.BufferedProtocol):
     def _new_own(self, need: int) -> bytearray:
         """A buffer for a long frame: the last one given back, made the size needed. A new
         one is zeroed, which cost as much as reading the frame into it (45 µs for the 400 kB
-        of a 32k-token prompt's); a bytearray cut shorter keeps its memory, so growing it back
-        zeroes only what it grows by."""
+        of a 32k-token prompt's); a bytearray cut by less than half keeps its memory, so
+        growing it back zeroes only what it grows by."""
         spare = self._spare
         while spare:
             buffer = spare.pop()
