@@ -490,6 +490,7 @@ async def _serve(started: Started, life: Lifeline) -> None:
     finally:  # asked to stop, or must: record and export what we can, then leave
         running.cancel()
         ended.cancel()
+        recorder.capture.unread = None  # nothing more is taken from the socket
         for task in list(child.tasks):
             task.cancel()
         recorder.on_change = None
