@@ -147,7 +147,7 @@ class LongFrame:
 Frame = Exchange | dict[str, Any] | LongFrame
 
 
-SCRATCH_BYTES = 256 << 10  # frames not read apart; a read takes at most `own_buffer_from`
+SCRATCH_BYTES = 256 << 10  # what one read may take of frames that are not read apart
 OWN_BUFFER_FROM = 64 << 10  # a frame this long (after its head) is read into a buffer of its own
 # Long frames' buffers kept for the next ones: as many as wait to be taken in a burst (up to
 # `max_waiting` frames of 400 kB at 32k-token prompts).
@@ -253,10 +253,7 @@ class FrameReader(asyncio.BufferedProtocol):
             left = self._end - self._start
             self._view[:left] = self._view[self._start : self._end]
             self._start, self._end = 0, left
-        # A read takes at most `own_buffer_from` bytes here: of a long frame, what is read
-        # into the scratch is copied to its own buffer (a read of all the scratch copied most
-        # of a 32k-token prompt's frame twice), the rest is read straight into that.
-        return self._view[self._end : self._end + self._own_buffer_from]
+        return self._view[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         try:
