@@ -84,8 +84,8 @@ class CaptureStage:
         self._draining = 0  # drains and stops under way: no gathering while they wait
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
-        # Are exchanges still to be read (the capture process's socket)? While some wait on
-        # disk, reading comes before parsing (see `_intake_first`).
+        # Are exchanges still to be read (the capture process's socket)? Between bursts of
+        # parsing, reading comes first (see `_intake_first`).
         self.unread: Callable[[], bool] | None = None
         self._putting = 0  # puts waiting for room: reading cannot go on until parsing does
         # Told the hints of each call `admit` refuses (the sampler's refusals are final).
@@ -211,18 +211,14 @@ class CaptureStage:
             self._putting -= 1
 
     def _intake_first(self) -> bool:
-        """Should parsing let exchanges be read first? While some wait on disk, parsing is
-        behind: reading and leaving one there is a tenth of parsing it (at 32k-token prompts),
-        and only what is not read in time is dropped (by the forwarder, whose buffer fills).
-        A core the forwarder keeps busy leaves this process little: it goes to reading. Not
-        while a `put` waits for room, which only parsing makes, nor while a flush or a stop
-        waits for parsing."""
+        """Should parsing let exchanges be read first? On a core the forwarder keeps busy this
+        process gets what forwarding leaves, and what it does not read in time waits in the
+        forwarder's buffer, which drops calls once full; what it reads can wait in its queue,
+        then on disk. Reading is a tenth of parsing (at 32k-token prompts), so between bursts
+        of parsing everything waiting to be read is read first. Not while a `put` waits for
+        room, which only parsing makes, nor while a flush or a stop waits for parsing."""
         return (
-            self._overflow_count > 0
-            and not self._putting
-            and not self._draining
-            and self.unread is not None
-            and self.unread()
+            not self._putting and not self._draining and self.unread is not None and self.unread()
         )
 
     def _over_bytes(self, size: int) -> bool:
@@ -391,9 +387,6 @@ class CaptureStage:
         burst_started = time.perf_counter()
         assembler = self._assembler
         while True:
-            while self._intake_first():
-                await asyncio.sleep(0)
-                burst_started = time.perf_counter()
             self._handle(await self._queue.get())
             if assembler.pending:  # trajectories this closed: at least one, within the budget
                 self._run_pending(until=burst_started + BURST)
@@ -403,6 +396,8 @@ class CaptureStage:
             # overflows: past BEHIND waiting, parse for up to BURST seconds per turn.
             if self._queue.qsize() < BEHIND or time.perf_counter() - burst_started >= BURST:
                 await asyncio.sleep(0)
+                while self._intake_first():
+                    await asyncio.sleep(0)
                 burst_started = time.perf_counter()
                 if self._queue.empty():
                     await self._finish_closed()
