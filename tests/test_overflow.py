@@ -364,3 +364,20 @@ async def test_long_frames_read_into_buffers_given_back_are_the_frames_sent() ->
         buffers.add(id(long.buffer))
         reader.give_back(long.buffer)
     assert len(buffers) < len(sent)  # some were reused
+
+
+async def test_reading_first_never_holds_up_a_put_that_waits_for_a_full_queue() -> None:
+    """Without an overflow (`--capture-overflow-bytes 0`) a `put` waits for the queue's room,
+    which only parsing makes: however much waits to be read, parsing then goes on."""
+    out: list[Record] = []
+    assembler = Assembler(out.append, project="p", experiment="e", idle_timeout=60)
+    stage = CaptureStage(MetadataResolver([]), assembler, Metrics(), project="p", experiment="e",
+                         queue_size=2, idle_check_interval=60)  # fmt: skip
+    stage.unread = lambda: True
+    stage.start()
+    sent = rollouts(samples=6, turns=2)
+    for item in sent:
+        await asyncio.wait_for(stage.put(item), 5)
+    await asyncio.wait_for(stage.drain(), 5)
+    await stage.stop()
+    assert sorted(len(r.calls) for r in out if isinstance(r, Trajectory)) == [2] * 6

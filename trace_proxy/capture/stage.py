@@ -87,7 +87,7 @@ class CaptureStage:
         # Are exchanges still to be read (the capture process's socket)? Between bursts of
         # parsing, reading comes first (see `_intake_first`).
         self.unread: Callable[[], bool] | None = None
-        self._putting = 0  # puts waiting for room: reading cannot go on until parsing does
+        self._putting = 0  # puts under way: one that waits for room waits for parsing
         # Told the hints of each call `admit` refuses (the sampler's refusals are final).
         self.on_refused: Callable[[KeyHints], None] | None = None
         # Refused calls that name a newer step than any before them in their run, each with
@@ -171,16 +171,25 @@ class CaptureStage:
         stays on the forwarding side, which bounds it and counts what it cannot hold. With an
         overflow, what the queue cannot hold waits there instead, in order, and only a full
         overflow makes this wait."""
+        self._putting += 1  # seen by the worker only while this waits (see `_intake_first`)
+        try:
+            await self._put(exchange)
+        finally:
+            self._putting -= 1
+
+    async def _put(self, exchange: Exchange) -> None:
         size = len(exchange.request_body) + sum(map(len, exchange.response_chunks))
         overflow = self._overflow
         while overflow is not None and (overflow.count or self._no_room_for(size)):
             if self._spill(overflow, exchange):
                 return
             self._room.clear()  # set as the queue or the overflow empties
-            await self._wait_for_room()
+            self._hurry()
+            await self._room.wait()
         while self._over_bytes(size):
             self._room.clear()
-            await self._wait_for_room()
+            self._hurry()
+            await self._room.wait()
         await self._queue.put(exchange)
         self._queued += 1
         exchange.size = size
@@ -201,14 +210,6 @@ class CaptureStage:
         ):
             return False
         return self._spill(overflow, frame)
-
-    async def _wait_for_room(self) -> None:
-        self._hurry()
-        self._putting += 1
-        try:
-            await self._room.wait()
-        finally:
-            self._putting -= 1
 
     def _intake_first(self) -> bool:
         """Should parsing let exchanges be read first? On a core the forwarder keeps busy this
