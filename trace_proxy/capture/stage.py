@@ -215,9 +215,10 @@ class CaptureStage:
         """Should parsing let exchanges be read first? On a core the forwarder keeps busy this
         process gets what forwarding leaves, and what it does not read in time waits in the
         forwarder's buffer, which drops calls once full; what it reads can wait in its queue,
-        then on disk. Reading is a tenth of parsing (at 32k-token prompts), so between bursts
-        of parsing everything waiting to be read is read first. Not while a `put` waits for
-        room, which only parsing makes, nor while a flush or a stop waits for parsing."""
+        then on disk. Taking one in (reading it, writing it to disk) costs about a quarter of
+        parsing it at 32k-token prompts (benchmarks/intake.py), so between bursts of parsing
+        everything waiting to be read is read first. Not while a `put` waits (for room, which
+        only parsing makes), nor while a flush or a stop waits for parsing."""
         return (
             not self._putting and not self._draining and self.unread is not None and self.unread()
         )
