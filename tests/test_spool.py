@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from trace_proxy.exporters import spool as spool_module
 from trace_proxy.exporters.spool import (
     Cursor,
     CursorState,
@@ -97,6 +98,27 @@ def test_a_reader_waits_for_a_line_still_being_written(tmp_path: Path) -> None:
     assert [seq for seq, _ in reader.read(1, 10).records] == [1]
     reader.close()
     spool.close()
+
+
+def test_lines_longer_than_a_read_or_across_reads_come_back_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reader takes the segment in blocks: a line may start in one and end blocks later,
+    or a block may end anywhere in a line, its checksum or its number."""
+    monkeypatch.setattr(spool_module, "READ_BYTES", 16)
+    spool = SpoolWriter(tmp_path, max_bytes=1 << 20)
+    sizes = [0, 1, 2, 3, 5, 8, 13, 40, 200, 3, 1000, 0, 7]
+    written = [payload for i, size in enumerate(sizes) for payload in payloads(i, 1, size)]
+    spool.append(written[:6])
+    reader = SpoolReader(tmp_path)
+    first = reader.read(0, 4)  # stops inside the buffer, between lines
+    spool.append(written[6:])
+    rest = reader.read(first.next, 100)
+    reader.close()
+    spool.close()
+    assert first.records + rest.records == list(enumerate(written))
+    assert (rest.missing, rest.corrupt) == (0, 0)
+    assert read_all(tmp_path, 9)[0] == list(enumerate(written))[9:]
 
 
 def test_the_budget_deletes_the_oldest_segments_and_readers_count_the_gap(

@@ -63,18 +63,22 @@ def frame_parts(seq: int, payload: bytes) -> tuple[bytes, bytes, bytes]:
     return b"%d %08x " % (seq, zlib.crc32(payload)), payload, b"\n"
 
 
-def unframe(line: bytes) -> tuple[int, bytes] | None:
-    """(seq, payload) of a complete line (without its newline); None if it is damaged."""
-    parts = line.split(b" ", 2)
-    if len(parts) != 3 or len(parts[1]) != 8:
+def unframe(data: bytes | bytearray, start: int, end: int) -> tuple[int, bytes] | None:
+    """(seq, payload) of the complete line `data[start:end]` (without its newline); None if it
+    is damaged. The payload is the one copy made of the line."""
+    first = data.find(b" ", start, end)
+    second = first + 9  # after the 8 hex digits of the checksum
+    if first < 0 or second >= end or data.find(b" ", first + 1, second + 1) != second:
         return None
     try:
-        seq, crc = int(parts[0]), int(parts[1], 16)
+        seq, crc = int(data[start:first]), int(data[first + 1 : second], 16)
     except ValueError:
         return None
-    if zlib.crc32(parts[2]) != crc:
-        return None
-    return seq, parts[2]
+    with memoryview(data) as view:
+        payload = view[second + 1 : end]
+        if zlib.crc32(payload) != crc:
+            return None
+        return seq, payload.tobytes()
 
 
 def segments(directory: Path) -> list[tuple[int, Path]]:
@@ -344,11 +348,13 @@ class SpoolWriter:
         if end < len(data):
             with open(path, "r+b") as file:
                 file.truncate(end)
-        next_seq = first
-        for line in data[:end].split(b"\n")[:-1]:
-            parsed = unframe(line)
+        next_seq, start = first, 0
+        while start < end:
+            newline = data.find(b"\n", start, end)
+            parsed = unframe(data, start, newline)
             if parsed is not None:
                 next_seq = parsed[0] + 1
+            start = newline + 1
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND)
         self._size = end
         return max(next_seq, after_cursors)
@@ -464,12 +470,12 @@ class SpoolReader:
             handle = self._segment_for(batch)
             if handle is None:
                 break
-            line = handle.readline()
+            line = handle.next_line()
             if line is None:  # the end of what was written to this segment so far
                 if not self._advance(handle, batch):
                     break
                 continue
-            parsed = unframe(line)
+            parsed = unframe(*line)
             if parsed is None:
                 self._damaged = True  # counted by the gap it leaves in the numbering
                 continue
@@ -535,32 +541,57 @@ class SpoolReader:
         return True
 
 
+READ_BYTES = 1 << 20  # what a segment is read in at least
+
+
 class _Segment:
-    """An open segment, read line by line; a line without its newline is not complete yet."""
+    """An open segment, read in blocks of `READ_BYTES` or more into one buffer; a line without
+    its newline is not complete yet. A line is copied once, as its payload (`unframe`): a
+    buffered `readline`, cutting the newline and splitting the line each copied it again, and
+    reading a 200 kB line (a 32k-token trajectory's) took 400 µs instead of 130."""
 
     def __init__(self, first: int, path: Path) -> None:
         self.first = first
         self.position_seq = first
-        self._file = open(path, "rb")  # noqa: SIM115 - closed by close()
-        self._partial = b""
+        self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
+        self._buffer = bytearray(READ_BYTES)
+        self._start = 0  # of the next line in the buffer
+        self._end = 0  # of what was read into it
 
-    def readline(self) -> bytes | None:
-        line = self._file.readline()
-        if not line:
-            return None
-        if not line.endswith(b"\n"):
-            self._partial = line
-            self._file.seek(-len(line), os.SEEK_CUR)
-            return None
-        self._partial = b""
-        parsed_seq = line.split(b" ", 1)[0]
-        if parsed_seq.isdigit():
-            self.position_seq = int(parsed_seq)
-        return line[:-1]
+    def next_line(self) -> tuple[bytearray, int, int] | None:
+        """The buffer and where the next complete line is in it (without its newline), valid
+        until the next call; None at the end of what has been written so far."""
+        searched = self._start  # no newline before this
+        newline = self._buffer.find(b"\n", searched, self._end)
+        while newline < 0:
+            searched = self._end - self._start  # where the new bytes start, once moved
+            if not self._read_more():
+                return None
+            newline = self._buffer.find(b"\n", searched, self._end)
+        buffer, start = self._buffer, self._start
+        self._start = newline + 1
+        space = buffer.find(b" ", start, min(newline, start + 21))  # at most 20 digits
+        if space > start and buffer[start:space].isdigit():
+            self.position_seq = int(buffer[start:space])
+        return buffer, start, newline
+
+    def _read_more(self) -> bool:
+        """Reads on after what the buffer holds, first moving an incomplete line to its front
+        (and growing the buffer when that line fills half of it)."""
+        buffer, left = self._buffer, self._end - self._start
+        if left > len(buffer) // 2:
+            buffer.extend(bytes(len(buffer)))  # a long line: twice the room
+        if self._start:
+            buffer[:left] = buffer[self._start : self._end]
+        self._start, self._end = 0, left
+        with memoryview(buffer) as view:
+            read = self._file.readinto(view[left:]) or 0
+        self._end += read
+        return read > 0
 
     def readline_pending(self) -> bool:
         """A line was being written when we reached the end: wait for the rest of it."""
-        return bool(self._partial)
+        return self._end > self._start
 
     def close(self) -> None:
         self._file.close()
