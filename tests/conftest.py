@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
 from real.servers import RealServers, real_servers
+from real.verl_run import VERL_RUN
 
 from trace_proxy.demo.tokenizer import load_qwen_tokenizer
 
@@ -70,4 +71,24 @@ def _real_servers(
         return tmp_path_factory.mktemp("real-servers")
 
     with real_servers(request.session.items, make_work_dir) as servers:
-        yield servers
+        try:
+            yield servers
+        finally:
+            VERL_RUN.stop()
+
+
+@pytest.fixture(autouse=True)
+def _verl_in_the_background(
+    request: pytest.FixtureRequest,
+    _real_servers: RealServers,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """verl's run starts with the first test after the last other one that uses the real vLLM
+    server (real/verl_run.py), and goes on beside the tests that follow."""
+    if request.node is not VERL_RUN.start_with or VERL_RUN.started:
+        return
+    try:
+        vllm = _real_servers.wait_healthy("real_vllm")
+        VERL_RUN.start(vllm, tmp_path_factory.mktemp("verl"))
+    except BaseException as exc:  # this test is not verl's: verl's tests report it
+        VERL_RUN.could_not_start(repr(exc))

@@ -11,12 +11,14 @@ from pathlib import Path
 import pytest
 
 from .servers import REAL_TESTS_DIR, SKIP_ENV, RealServer, RealServers
+from .verl_run import VERL_RUN
 
 __all__ = ["REAL_TESTS_DIR", "RealServer"]
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark every test under tests/real as `real`, and skip them when asked to."""
+    """Mark every test under tests/real as `real`, and skip them when asked to; verl's tests
+    last (verl_run.py)."""
     skip = os.environ.get(SKIP_ENV, "").lower() in ("1", "true", "yes")
     for item in items:
         if REAL_TESTS_DIR not in item.path.resolve().parents:
@@ -24,6 +26,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(pytest.mark.real)
         if skip:
             item.add_marker(pytest.mark.skip(reason=f"{SKIP_ENV} is set"))
+    VERL_RUN.order_items(items)
 
 
 @pytest.fixture(scope="session")

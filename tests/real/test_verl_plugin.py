@@ -18,18 +18,14 @@ manager and through the plugin (which starts its own trace-proxy), and compared.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from .conftest import REAL_TESTS_DIR, RealServer
-from .provision import provision
+from .conftest import RealServer
+from .verl_run import VERL_RUN
 
-REPO = REAL_TESTS_DIR.parent.parent
-RUN_TIMEOUT_S = 1500.0
 STEPS = (1, 2)
 SAMPLES = 4  # three single-turn prompts, then one that gets the tool
 N = 2
@@ -50,23 +46,11 @@ def _records(work: Path, trainer: str) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module")
 def verl_run(real_vllm: RealServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("verl")
-    (work / "vllm-url").write_text(real_vllm.base_url)
-    provisioned = provision()
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REAL_TESTS_DIR}",
-           "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}  # fmt: skip
-    log = work / "run.log"
-    command = [str(provisioned.verl_python), "-m", "verl_harness.run", real_vllm.base_url,
-               str(real_vllm.model_dir), str(work)]  # fmt: skip
-    with log.open("wb") as out:
-        run = subprocess.run(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=RUN_TIMEOUT_S
-        )
-    code = run.returncode
-    if code != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
-        pytest.fail(f"the verl run exited {code}; last lines of {log}:\n{tail}", pytrace=False)
-    return work
+    """The run's work directory: started by the session beside the unit tests (verl_run.py),
+    or here when nothing started it."""
+    if not VERL_RUN.started:
+        VERL_RUN.start(real_vllm, tmp_path_factory.mktemp("verl"))
+    return VERL_RUN.wait()
 
 
 TRAINERS = pytest.mark.parametrize(

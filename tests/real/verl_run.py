@@ -1,0 +1,119 @@
+"""verl's CPU run (`verl_harness/run.py`, in verl's venv) as a process of the test session.
+
+It takes about two minutes, most of it Ray and verl's workers starting. Its results depend on
+nothing but the real vLLM server, and other tests sending to that server at the same time could
+change what vLLM batches together, so verl's tests run last (`order_items`) and the run starts
+with the first test after the last one that uses the real vLLM server (the root conftest): it
+overlaps the unit tests, which use fakes, instead of adding to the session. verl's module
+fixture waits for it, or starts it when nothing did (verl's tests alone).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO
+
+import pytest
+
+from .provision import provision
+from .servers import REAL_TESTS_DIR, RealServer
+
+REPO = REAL_TESTS_DIR.parent.parent
+VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
+RUN_TIMEOUT_S = 1500.0
+STOP_GRACE_S = 10.0
+
+
+def is_verl_test(item: pytest.Item) -> bool:
+    return item.path.resolve() == VERL_TESTS
+
+
+def uses_real_vllm(item: pytest.Item) -> bool:
+    return "real_vllm" in getattr(item, "fixturenames", ()) and not is_verl_test(item)
+
+
+class VerlRun:
+    """The session's one run: started once, waited on by verl's tests, stopped at the end."""
+
+    def __init__(self) -> None:
+        self.start_with: pytest.Item | None = None  # the test it starts before (order_items)
+        self.work: Path | None = None
+        self._process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+        self._started_at = 0.0
+        self._failed: str | None = None  # why it could not be started
+
+    @property
+    def started(self) -> bool:
+        return self._process is not None or self._failed is not None
+
+    def order_items(self, items: list[pytest.Item]) -> None:
+        """verl's tests last; the run to start with the first test after the last other one
+        that uses the real vLLM server (None: no test comes between, verl's fixture starts it)."""
+        verl = [item for item in items if is_verl_test(item)]
+        items[:] = [item for item in items if not is_verl_test(item)] + verl
+        if not any(item.get_closest_marker("skip") is None for item in verl):
+            return
+        last = max((i for i, item in enumerate(items) if uses_real_vllm(item)), default=-1)
+        following = next(item for item in items[last + 1 :] if not item.get_closest_marker("skip"))
+        self.start_with = None if is_verl_test(following) else following
+
+    def start(self, vllm: RealServer, work: Path) -> None:
+        self.work = work
+        (work / "vllm-url").write_text(vllm.base_url)
+        provisioned = provision()
+        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REAL_TESTS_DIR}",
+               "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}  # fmt: skip
+        command = [str(provisioned.verl_python), "-m", "verl_harness.run", vllm.base_url,
+                   str(vllm.model_dir), str(work)]  # fmt: skip
+        self._log = (work / "run.log").open("wb")
+        self._started_at = time.monotonic()
+        self._process = subprocess.Popen(
+            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+
+    def could_not_start(self, why: str) -> None:
+        self._failed = why
+
+    def wait(self) -> Path:
+        """The run's work directory once it has exited 0; a test failure otherwise."""
+        if self._failed is not None:
+            pytest.fail(f"the verl run could not be started: {self._failed}", pytrace=False)
+        assert self._process is not None and self.work is not None
+        left = RUN_TIMEOUT_S - (time.monotonic() - self._started_at)
+        try:
+            code = self._process.wait(timeout=max(left, 0.0))
+        except subprocess.TimeoutExpired:
+            self.stop()
+            pytest.fail(f"the verl run took over {RUN_TIMEOUT_S:.0f} s", pytrace=False)
+        if code != 0:
+            log = self.work / "run.log"
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-60:])
+            pytest.fail(f"the verl run exited {code}; last lines of {log}:\n{tail}", pytrace=False)
+        return self.work
+
+    def stop(self) -> None:
+        """At the session's end (or past its timeout): the run and every process it started
+        (Ray's), if still running."""
+        process = self._process
+        if process is not None and process.poll() is None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    process.wait(timeout=STOP_GRACE_S)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+
+VERL_RUN = VerlRun()
