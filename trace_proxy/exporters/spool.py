@@ -480,6 +480,7 @@ class SpoolReader:
                 self._damaged = True  # counted by the gap it leaves in the numbering
                 continue
             seq, payload = parsed
+            handle.position_seq = seq
             if seq < batch.next:
                 continue  # before the start position
             if seq > batch.next:
@@ -552,7 +553,7 @@ class _Segment:
 
     def __init__(self, first: int, path: Path) -> None:
         self.first = first
-        self.position_seq = first
+        self.position_seq = first  # of the last whole line read (the reader sets it)
         self._file = open(path, "rb", buffering=0)  # noqa: SIM115 - closed by close()
         self._buffer = bytearray(READ_BYTES)
         self._start = 0  # of the next line in the buffer
@@ -568,12 +569,9 @@ class _Segment:
             if not self._read_more():
                 return None
             newline = self._buffer.find(b"\n", searched, self._end)
-        buffer, start = self._buffer, self._start
+        start = self._start
         self._start = newline + 1
-        space = buffer.find(b" ", start, min(newline, start + 21))  # at most 20 digits
-        if space > start and buffer[start:space].isdigit():
-            self.position_seq = int(buffer[start:space])
-        return buffer, start, newline
+        return self._buffer, start, newline
 
     def _read_more(self) -> bool:
         """Reads on after what the buffer holds, first moving an incomplete line to its front
