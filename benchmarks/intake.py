@@ -43,42 +43,17 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from benchlib.workload import PATH, build_turns, rollout_headers  # noqa: E402
-from multidict import CIMultiDict, CIMultiDictProxy  # noqa: E402
+from benchlib.frames import capture_socket, exchange, write_all  # noqa: E402
+from benchlib.workload import build_turns  # noqa: E402
 
 import trace_proxy  # noqa: E402
 from trace_proxy.capture import wire  # noqa: E402
-from trace_proxy.capture.exchange import Exchange  # noqa: E402
 from trace_proxy.capture.metadata import MetadataResolver  # noqa: E402
 from trace_proxy.capture.overflow import Overflow  # noqa: E402
-from trace_proxy.capture.process import SOCKET_BUFFER  # noqa: E402
 from trace_proxy.capture.stage import CaptureStage  # noqa: E402
 from trace_proxy.config import Settings  # noqa: E402
 from trace_proxy.metrics import Metrics  # noqa: E402
 from trace_proxy.trajectories.assembler import Assembler  # noqa: E402
-
-SAMPLES = 64  # distinct rollouts a step; the step changes every SAMPLES trajectories
-
-
-def exchange(turns: list[Any], index: int) -> Exchange:
-    """The `index`th exchange sent: turn `index % 4` of a rollout, steps moving on."""
-    turn = turns[index % 4]
-    rollout = index // 4
-    headers = rollout_headers(1 + rollout // SAMPLES, rollout % SAMPLES, index % 4 == 3)
-    return Exchange(
-        method="POST", path=PATH, query="", request_headers=CIMultiDictProxy(
-            CIMultiDict(headers)), path_metadata=[], upstream="http://127.0.0.1:9",
-        start=1000.0 + index, request_body=turn.request, status=200,
-        response_headers=CIMultiDict({"Content-Type": turn.content_type}),
-        response_chunks=[turn.response], first_byte=1000.0 + index, end=1000.0 + index,
-    )  # fmt: skip
-
-
-def write_all(sock: socket.socket, prompt_tokens: int, count: int) -> None:
-    turns = build_turns(4, False, 1, prompt_tokens)
-    for index in range(count):
-        sock.sendall(b"".join(wire.encode_exchange(exchange(turns, index))))  # no drops here
-    sock.close()
 
 
 class _Sink(asyncio.Protocol):
@@ -166,14 +141,6 @@ async def read(sock: socket.socket, spool: Path, parse: bool) -> tuple[float, in
     await stage.stop(0)  # what is left is not parsed: counted, not waited for
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     return cpu, taken, parsed
-
-
-def capture_socket() -> tuple[socket.socket, socket.socket]:
-    """The reader's end and the writer's, with the kernel buffers the proxy gives them."""
-    ours, theirs = socket.socketpair()
-    theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
-    ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
-    return ours, theirs
 
 
 def cpu_round(prompt_tokens: int, count: int) -> float:
