@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import multiprocessing
 import resource
 import statistics
 import sys
@@ -48,7 +47,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from benchlib.frames import capture_socket, write_all  # noqa: E402
+from benchlib.frames import sent_by_another_process  # noqa: E402
 
 import trace_proxy.capture.stage as stage_module  # noqa: E402
 from trace_proxy.capture.exchange import Exchange  # noqa: E402
@@ -154,16 +153,9 @@ async def record_all(sock: Any, output: Path, count: int) -> Round:
 
 
 def one_round(prompt_tokens: int, count: int) -> Round:
-    ours, theirs = capture_socket()
-    writer = multiprocessing.get_context("fork").Process(
-        target=write_all, args=(theirs, prompt_tokens, count)
-    )
-    writer.start()
-    theirs.close()
-    with tempfile.TemporaryDirectory() as output:
-        result = asyncio.run(record_all(ours, Path(output), count))
-    writer.join()
-    return result
+    with sent_by_another_process(prompt_tokens, count) as ours:
+        with tempfile.TemporaryDirectory() as output:
+            return asyncio.run(record_all(ours, Path(output), count))
 
 
 def row(tokens: int, best: Round, median_total: float) -> str:

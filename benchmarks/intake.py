@@ -43,7 +43,7 @@ from typing import Any
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from benchlib.frames import capture_socket, exchange, write_all  # noqa: E402
+from benchlib.frames import capture_socket, exchange, sent_by_another_process  # noqa: E402
 from benchlib.workload import build_turns  # noqa: E402
 
 import trace_proxy  # noqa: E402
@@ -144,15 +144,9 @@ async def read(sock: socket.socket, spool: Path, parse: bool) -> tuple[float, in
 
 
 def cpu_round(prompt_tokens: int, count: int) -> float:
-    ours, theirs = capture_socket()
-    writer = multiprocessing.get_context("fork").Process(
-        target=write_all, args=(theirs, prompt_tokens, count)
-    )
-    writer.start()
-    theirs.close()
-    with tempfile.TemporaryDirectory() as spool:
-        cpu, taken, _ = asyncio.run(read(ours, Path(spool), parse=False))
-    writer.join()
+    with sent_by_another_process(prompt_tokens, count) as ours:
+        with tempfile.TemporaryDirectory() as spool:
+            cpu, taken, _ = asyncio.run(read(ours, Path(spool), parse=False))
     return cpu / taken * 1e6
 
 

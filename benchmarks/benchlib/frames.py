@@ -4,7 +4,10 @@ capture_stages.py)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -45,3 +48,19 @@ def capture_socket() -> tuple[socket.socket, socket.socket]:
     theirs.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCKET_BUFFER)
     ours.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER)
     return ours, theirs
+
+
+@contextmanager
+def sent_by_another_process(prompt_tokens: int, count: int) -> Iterator[socket.socket]:
+    """The reader's end of a capture socket that a forked process sends `count` exchanges to."""
+    ours, theirs = capture_socket()
+    writer = multiprocessing.get_context("fork").Process(
+        target=write_all, args=(theirs, prompt_tokens, count)
+    )
+    writer.start()
+    theirs.close()
+    try:
+        yield ours
+    finally:
+        ours.close()  # a reader that stopped early must not leave the writer blocked
+        writer.join()
