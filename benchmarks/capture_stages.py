@@ -20,7 +20,7 @@ Each stage's CPU is the thread time spent in one function, summed over the run:
 - assembler: `Assembler.add_call`, the call into its trajectory, its prompt's prefix shared;
 - closing: `Assembler.run_pending`, closed trajectories built, sampled and handed to the spool;
 - the rest of the main thread: frames taken apart, the capture queue, the loop;
-- other threads: the spool's writer (encoding, checksums, writes).
+- the spool writer's thread: records encoded, checksummed and written.
 
 "Without decoding" is what would remain if both bodies cost nothing to decode and parse: the
 total less request and response. Prints a markdown table: the round with the least CPU of each
@@ -105,18 +105,18 @@ class StageClock:
         stage_module.DIALECTS = {
             path: (name, self.wrap("response", parser)) for path, (name, parser) in saved[1].items()
         }
-        stage_module.CaptureStage._latest_prompt = self.wrap("key fields", saved[2])  # type: ignore[method-assign]
-        Assembler.add_call = self.wrap("assembler", saved[3])  # type: ignore[method-assign]
-        Assembler.run_pending = self.wrap("closing", saved[4])  # type: ignore[method-assign]
+        stage_module.CaptureStage._latest_prompt = self.wrap("key fields", saved[2])
+        Assembler.add_call = self.wrap("assembler", saved[3])
+        Assembler.run_pending = self.wrap("closing", saved[4])
         try:
             yield
         finally:
             (
                 stage_module.decode_request,
                 stage_module.DIALECTS,
-                stage_module.CaptureStage._latest_prompt,  # type: ignore[method-assign]
-                Assembler.add_call,  # type: ignore[method-assign]
-                Assembler.run_pending,  # type: ignore[method-assign]
+                stage_module.CaptureStage._latest_prompt,
+                Assembler.add_call,
+                Assembler.run_pending,
             ) = saved
 
     def stages(self) -> dict[str, float]:
@@ -142,7 +142,8 @@ async def record_all(sock: Any, output: Path, count: int) -> Round:
             if isinstance(frame, LongFrame):  # as the capture process takes one in
                 long, frame = frame, frame.decode()
                 reader.give_back(long.buffer)
-            assert isinstance(frame, Exchange) and recorder.admit(frame)
+            if not isinstance(frame, Exchange) or not recorder.admit(frame):
+                raise RuntimeError(f"not an exchange the capture stage takes: {frame!r}")
             await recorder.capture.put(frame)
         await recorder.capture.drain()
         await recorder.pipeline.flush()
@@ -184,12 +185,12 @@ def main() -> None:
     tune_gc()
     print(
         "| prompt tokens | CPU per exchange (µs) | request | key fields | response | assembler"
-        " | closing | rest of main thread | other threads | without decoding |"
+        " | closing | rest of main thread | spool writer thread | without decoding |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for tokens in (int(t) for t in args.prompt_tokens.split(",")):
         count = args.exchanges or EXCHANGES.get(tokens, 512)
-        count -= count % 4  # whole trajectories
+        count = max(4, count - count % 4)  # whole trajectories
         rounds = [one_round(tokens, count) for _ in range(args.rounds)]
         best = min(rounds, key=lambda r: r.total)
         print(row(tokens, best, statistics.median(r.total for r in rounds)), flush=True)
