@@ -3,6 +3,7 @@ the stores, and only the viewer's own address is answered."""
 
 from __future__ import annotations
 
+import html
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -197,3 +198,28 @@ async def test_steps_of_a_run_with_validation_apart(tmp_path: Path) -> None:
         assert page.count("<polyline") == 3 + 3  # reward, length, tools: each split
     finally:
         await client.close()
+
+
+async def test_trajectory_ids_with_url_characters_open(tmp_path: Path) -> None:
+    """A trajectory id is the client's (X-Rollout-Trajectory-Id): `/`, `?`, `#`, `%` and spaces
+    in it are one path segment of every link, and the link opens that trajectory."""
+    store = tmp_path / "store"
+    odd = ["run/7?turn=2#x", "a%2Fb c", "..", "é/ü"]
+    records = [trajectory(ident=ident, rollout=n, reward=float(n)) for n, ident in enumerate(odd)]
+    append(step_file(run_dir(store), 1), *records)
+    viewer = Viewer(StoreIndex([store], min_interval=0))
+    async with TestClient(TestServer(viewer.app())) as client:
+        step = await client.get("/run/0/proj/exp/step/1")
+        assert step.status == 200
+        links = re.findall(r'class="traj-link" href="([^"]+)"', await step.text())
+        assert len(links) == len(odd)
+        opened = set()
+        for link in links:
+            page = await client.get(html.unescape(link))
+            assert page.status == 200, link
+            raw = await client.get(
+                html.unescape(re.findall(r'id="raw-link" href="([^"]+)"', await page.text())[0])
+            )
+            assert raw.status == 200
+            opened.add((await raw.json())["id"])
+        assert opened == set(odd)

@@ -37,6 +37,7 @@ import orjson
 from trace_proxy import lifeline
 from trace_proxy.config import ConfigError
 from trace_proxy.lifeline import TERM_BOUND, Lifeline
+from trace_proxy.logtext import configure_logging
 from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -296,10 +297,7 @@ def run_child(
         lower_priority(priority)
     tune_gc()
     tune_malloc()
-    logging.basicConfig(
-        level="WARNING", format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
-    )
-    logging.getLogger("trace_proxy").setLevel(log_level)
+    configure_logging("%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s", log_level)
     try:
         import uvloop
     except ImportError:  # pragma: no cover - platforms without uvloop

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import signal
 import sys
@@ -12,6 +11,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, NoReturn
 
 from trace_proxy.config import ConfigError, Settings, add_options, resolve
+from trace_proxy.logtext import configure_logging
 
 EXIT_USAGE = 2
 
@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command == "ui":
         from trace_proxy.ui.command import run_ui_command
 
+        configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run_ui_command(args)
     if command == "show":
         from trace_proxy.show import show
@@ -100,8 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"trace-proxy: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     # Our own messages at the chosen level; libraries' chatter only when it is a warning.
-    logging.basicConfig(level="WARNING", format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("trace_proxy").setLevel(settings.log_level)
+    configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s", settings.log_level)
     if command == "serve":
         from trace_proxy.child import tune_malloc
 

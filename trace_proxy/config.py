@@ -20,6 +20,8 @@ from typing import Any
 
 import yaml
 
+from trace_proxy.proxy.upstreams import plain_url
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -116,11 +118,11 @@ def parse_host(value: Any) -> str:
 
 
 def parse_upstream(value: Any) -> str:
-    """An absolute http(s) URL with a host; a trailing slash is dropped."""
-    url = parse_str(value).rstrip("/")
-    match = re.fullmatch(r"(https?)://([^/?#@\s]+)(/[^?#\s]*)?", url)
-    if not match:
-        raise ValueError(f"{value!r} is not an http(s)://host[:port][/path] URL")
+    """An absolute http(s) URL with a host and a plain path (`plain_url`), no credentials; a
+    trailing slash is dropped."""
+    url = plain_url(parse_str(value))
+    if "@" in url.partition("://")[2].partition("/")[0]:
+        raise ValueError("credentials do not belong in an upstream URL")
     return url
 
 

@@ -77,6 +77,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.admin_rejected = Counter(
+            "trace_proxy_admin_rejected",
+            "Requests to the admin port refused because of the client, by reason (as "
+            "trace_proxy_client_rejected counts them on the proxy port)",
+            ["reason"],
+            registry=r,
+        )
         self.added_latency = Histogram(
             "trace_proxy_response_start_seconds",
             "Time from request received to response headers sent to the client",
@@ -145,6 +152,15 @@ class Metrics:
             "Calls and trajectories not kept, by reason "
             "(sampler: not selected; waiting_full: over the bound of waiting candidates)",
             ["what", "reason"],
+            registry=r,
+        )
+        self.inference_decoder_waits = Counter(
+            "trace_proxy_inference_decoder_waits",
+            "Calls that waited for the tokenizer to load (--tokenizer) before being placed, "
+            "since only decoding their new ids could tell which rollout they continue; by "
+            "outcome (decoded; no_decoder: it did not load in time, or has no decoder for the "
+            "model, and the call starts a trajectory marked inferred:ambiguous)",
+            ["outcome"],
             registry=r,
         )
         self.inference_evicted = Counter(

@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from trace_proxy.logtext import printable
 from trace_proxy.trajectories.prompts import expand_prompts
 
 
@@ -292,16 +293,6 @@ def _event_line(event: dict[str, Any]) -> str:
         f"-- event {event.get('event')}{version} ({event.get('route')} -> "
         f"{event.get('http_status')}) {event.get('project')}/{event.get('experiment')}"
     )
-
-
-def printable(text: str) -> str:
-    """`text` with every character a terminal could act on (C0 and C1 controls, DEL, bidi
-    overrides, line separators, lone surrogates: all `str.isprintable` refuses) written as an
-    escape, the way `repr` writes it (`\x1b`, `\n`, `\u202e`); other text, in any script,
-    as it is."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _clip(text: str, width: int) -> str:

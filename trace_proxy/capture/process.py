@@ -184,7 +184,7 @@ class CaptureProcess(Helper):
             checks.update(self._child_checks)
         else:
             checks["export"] = checks["spool"] = "waiting for the capture process"
-            if self.settings.token2text:
+            if self.settings.token2text or self.settings.tokenizer:
                 checks["tokenizer"] = "waiting for the capture process"
         return checks
 

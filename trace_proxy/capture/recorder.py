@@ -106,6 +106,9 @@ class Recorder:
         self._discovering: asyncio.Task[None] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._inference_tokenizers: asyncio.Task[None] | None = None
+        # Done once --tokenizer's decoders are ready for inference (or could not be loaded).
+        self.decoders: asyncio.Future[None] | None = None
+        self._decoders_failed: BaseException | None = None
 
     def _export_pipeline(self, exporters: list[Exporter] | None) -> ExportPipeline:
         """Exporters given as objects (tests, embedding) run inline; else as configured."""
@@ -176,21 +179,30 @@ class Recorder:
         self.tokenizer_discovery = loop.create_future()
         self.capture.start()
         self.pipeline.start_writing()
+        if self.settings.tokenizer:
+            self.decoders = loop.create_future()
+            self.capture.wait_for_decoders(self.decoders)
         self._starting = loop.create_task(self._start_exports())
-        if self._inline is None and self.settings.tokenizer:
+        if self.settings.tokenizer and (self._inline is None or not self.settings.token2text):
             self._inference_tokenizers = loop.create_task(self._load_inference_tokenizers())
 
     async def _load_inference_tokenizers(self) -> None:
         """The `--tokenizer`s here too, for telling apart continuations of replies that came
-        as text only (`TrafficInference`); the export process loads its own for token2text
-        and reports what fails to load, so a failure here only leaves them undecided."""
+        as text only (`TrafficInference`); calls that need them wait for them (see
+        `CaptureStage.wait_for_decoders`). With token2text, the export process loads its own
+        and reports what fails to load; else a failure here is the proxy's."""
         settings = self.settings
         try:
             self.inference.tokenizers = await asyncio.to_thread(
                 load_configured, settings.tokenizer, settings.skip_special_tokens
             )
-        except TokenizerError:
-            return
+        except TokenizerError as exc:
+            self._decoders_failed = exc
+            if not settings.token2text:
+                self._fail(exc)
+        finally:
+            _settle(self.decoders)
+            self._changed()
 
     async def _start_exports(self) -> None:
         exports = self.pipeline.exports
@@ -200,6 +212,7 @@ class Recorder:
             await exports.start()
         except (ConfigError, TokenizerError, SpoolBusy) as exc:
             self._fail(exc if not isinstance(exc, SpoolBusy) else ConfigError(str(exc)))
+            _settle(self.decoders)  # nothing waits for a tokenizer that will not come
             return
         self._exports_started = True
         self._changed()
@@ -226,6 +239,7 @@ class Recorder:
         )
         self._inline.add_processor(self.token2text)
         self.inference.tokenizers = self.token2text.tokenizers
+        _settle(self.decoders)
         if not self.token2text.tokenizers.empty:
             _settle(self.tokenizer_discovery)
             return
@@ -264,14 +278,23 @@ class Recorder:
             export = f"failed: {failure}" if failure is not None else "starting"
         checks = {"export": export, "spool": self.pipeline.spool_check}
         if self.settings.token2text:  # loaded as the exporters start
-            if export == "ok":
-                checks["tokenizer"] = "ok"
-            elif isinstance(failure, TokenizerError):
+            if isinstance(failure, TokenizerError):
                 checks["tokenizer"] = f"failed: {failure}"
+            elif export == "ok":
+                checks["tokenizer"] = "ok"
             elif export.startswith("starting"):
                 checks["tokenizer"] = "loading"
             else:
                 checks["tokenizer"] = "not loaded: the exporters are not running"
+        if self.decoders is not None and checks.get("tokenizer", "ok") == "ok":
+            # --tokenizer is loaded for inference too (telling rollouts apart), with or
+            # without token2text
+            if not self.decoders.done():
+                checks["tokenizer"] = "loading"
+            elif self._decoders_failed is not None:
+                checks["tokenizer"] = f"failed: {self._decoders_failed}"
+            else:
+                checks["tokenizer"] = "ok"
         return checks
 
     def hurry(self) -> None:

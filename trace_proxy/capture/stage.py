@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 from multidict import CIMultiDict, CIMultiDictProxy
@@ -29,9 +29,10 @@ from trace_proxy.capture.overflow import Overflow, OverflowLost
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.sessions import ended_session
 from trace_proxy.capture.wire import LongFrame
+from trace_proxy.logtext import printable
 from trace_proxy.metrics import Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
-from trace_proxy.trajectories.record import ToolCall
+from trace_proxy.trajectories.record import GenerateCall, ToolCall
 
 log = logging.getLogger(__name__)
 BEHIND = 32  # exchanges waiting: parsing is falling behind forwarding
@@ -40,6 +41,20 @@ BURST = 0.002  # seconds of parsing per turn of the event loop while behind
 # again. At a rollout's pace exchanges came a few at a time, each parse a wake-up of a process
 # whose caches the client and the servers had meanwhile taken: 20% less CPU per call in bursts.
 GATHER = 0.03
+
+
+# Seconds, from the start, that calls may wait for the inference tokenizer to load: it takes a
+# few seconds on a quiet machine; a call that would be told apart by decoding waits rather
+# than start a trajectory marked ambiguous.
+DECODER_WAIT = 120.0
+
+
+class Parsed(NamedTuple):
+    """A generate exchange's calls, each with its key hints and the JSON text of its prompt
+    ids, if known."""
+
+    dialect: str
+    calls: list[tuple[KeyHints, GenerateCall, bytes | None]]
 
 
 class CaptureStage:
@@ -84,6 +99,9 @@ class CaptureStage:
         self._draining = 0  # drains and stops under way: no gathering while they wait
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
+        self._decoders: asyncio.Future[None] | None = None  # while the tokenizer loads
+        self._decoder_deadline = 0.0
+        self._decoder_waits = children(metrics.inference_decoder_waits)
         # Are exchanges still to be read (the capture process's socket)? Between bursts of
         # parsing, reading comes first (see `_intake_first`).
         self.unread: Callable[[], bool] | None = None
@@ -385,11 +403,24 @@ class CaptureStage:
             self._lose_overflow(str(exc))
         overflow.close()
 
+    def wait_for_decoders(self, loaded: asyncio.Future[None], within: float | None = None) -> None:
+        """Calls that decoding would tell apart wait for `loaded` (the inference tokenizer
+        loaded, or given up), for up to `within` seconds (DECODER_WAIT) from now in all."""
+        self._decoders = loaded
+        within = DECODER_WAIT if within is None else within
+        self._decoder_deadline = asyncio.get_running_loop().time() + within
+
     async def _work(self) -> None:
         burst_started = time.perf_counter()
         assembler = self._assembler
         while True:
-            self._handle(await self._queue.get())
+            exchange = await self._queue.get()
+            if self._decoders is not None and self._decoders.done():
+                self._decoders = None
+            if self._decoders is None:
+                self._handle(exchange)
+            else:  # the first seconds with --tokenizer
+                await self._handle_once_decodable(exchange)
             if assembler.pending:  # trajectories this closed: at least one, within the budget
                 self._run_pending(until=burst_started + BURST)
             # Queue.get() does not yield while items wait: without a yield a backlog would be
@@ -433,12 +464,44 @@ class CaptureStage:
         self._handle(exchange)
         return True
 
-    def _handle(self, exchange: Exchange) -> None:
+    async def _handle_once_decodable(self, exchange: Exchange) -> None:
+        """Handle `exchange`, once the tokenizer has loaded if one of its calls needs it to be
+        told apart from other rollouts (bounded: `wait_for_decoders`). Parsed once."""
+        parsed = None
         try:
-            self.process(exchange)
+            kind = classify(exchange.method, exchange.path)
+            if (
+                kind is RouteKind.GENERATE
+                and exchange.dropped is None
+                and (exchange.tool_route is None and exchange.bodies_skipped is None)
+            ):
+                parsed = self._parse(exchange)
+                assembler = self._assembler
+                if any(assembler.needs_decoder(hints, call) for hints, call, _ in parsed.calls):
+                    await self._wait_for_decoders()
+                    still = any(assembler.needs_decoder(h, c) for h, c, _ in parsed.calls)
+                    self._decoder_waits("no_decoder" if still else "decoded").inc()
+        except Exception:  # `_handle` parses again, and counts what fails
+            log.exception("waiting for the tokenizer failed")
+            parsed = None
+        finally:
+            self._handle(exchange, parsed)
+
+    async def _wait_for_decoders(self) -> None:
+        decoders = self._decoders
+        if decoders is None:
+            return
+        left = self._decoder_deadline - asyncio.get_running_loop().time()
+        if left > 0:
+            await asyncio.wait({decoders}, timeout=left)  # never cancels what it waits for
+        self._decoders = None  # loaded, given up, or waited for as long as allowed
+
+    def _handle(self, exchange: Exchange, parsed: Parsed | None = None) -> None:
+        try:
+            self.process(exchange, parsed)
         except Exception:
             self._metrics.capture_dropped.labels("internal_error").inc()
-            log.exception("capturing %s %s failed", exchange.method, exchange.path)
+            log.exception("capturing %s %s failed", exchange.method, printable(exchange.path))
         finally:
             self._queue.task_done()
             self._processed += 1
@@ -477,7 +540,8 @@ class CaptureStage:
             self._assembler.close_idle()
             await self._finish_closed()
 
-    def process(self, exchange: Exchange) -> None:
+    def process(self, exchange: Exchange, parsed: Parsed | None = None) -> None:
+        """Parse and record one exchange (`parsed`: its calls, when already parsed)."""
         kind = classify(exchange.method, exchange.path)
         if kind is RouteKind.SESSION_END:  # needs no body: kept or dropped, the session ends
             if exchange.dropped is None:
@@ -507,10 +571,15 @@ class CaptureStage:
         if kind is not RouteKind.GENERATE:
             self._ledger.made(0)
             return
-        dialect, parser = DIALECTS[exchange.path]
         if exchange.bodies_skipped is not None:
-            self._add_unparsed(exchange, dialect, exchange.bodies_skipped)
+            self._add_unparsed(exchange, DIALECTS[exchange.path][0], exchange.bodies_skipped)
             return
+        self._add_calls(exchange, parsed or self._parse(exchange))
+
+    def _parse(self, exchange: Exchange) -> Parsed:
+        """A generate exchange's calls, each with its key hints and the JSON text of its
+        prompt ids (see `decode_request`); what cannot be parsed, as an unparsed call."""
+        dialect, parser = DIALECTS[exchange.path]
         request: Any = None
         ids_text: bytes | None = None
         resolved: dict[int, KeyHints] = {}  # by id() of the body resolved
@@ -525,20 +594,26 @@ class CaptureStage:
         except (orjson.JSONDecodeError, ParseError) as exc:
             parsed = [self._unparsed(exchange, dialect, request, _reason(exc))]
         except Exception as exc:  # a parser bug must not lose the call
-            log.exception("parser %s failed on %s", dialect, exchange.path)
+            log.exception("parser %s failed on %s", dialect, printable(exchange.path))
             parsed = [self._unparsed(exchange, dialect, request, f"parser error: {exc!r}")]
         ids = request.get(ids_field) if ids_text is not None and ids_field else None
-        self._ledger.made(len(parsed))
+        calls = []
         for item in parsed:
             found = resolved.get(id(item.body))
             hints = found or self._resolver.resolve(
                 exchange.request_headers, exchange.path_metadata, item.body
             )
-            counter = self._unparsed_calls if item.call.unparsed else self._recorded_calls
-            counter(dialect).inc()
             # The text goes with the call whose prompt is that very list.
             text = ids_text if ids is not None and item.call.prompt.token_ids is ids else None
-            self._assembler.add_call(hints, item.call, admitted=exchange.admitted, ids_text=text)
+            calls.append((hints, item.call, text))
+        return Parsed(dialect, calls)
+
+    def _add_calls(self, exchange: Exchange, parsed: Parsed) -> None:
+        self._ledger.made(len(parsed.calls))
+        for hints, call, text in parsed.calls:
+            counter = self._unparsed_calls if call.unparsed else self._recorded_calls
+            counter(parsed.dialect).inc()
+            self._assembler.add_call(hints, call, admitted=exchange.admitted, ids_text=text)
 
     def _add_unparsed(self, exchange: Exchange, dialect: str, reason: str) -> None:
         item = self._unparsed(exchange, dialect, None, reason)

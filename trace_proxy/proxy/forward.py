@@ -18,6 +18,7 @@ from aiohttp import StreamReader, web
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import PATH_PREFIX, MetadataResolver, split_rollout_prefix
 from trace_proxy.capture.routes import RouteKind, classify
+from trace_proxy.logtext import printable
 from trace_proxy.metrics import Metrics, children
 from trace_proxy.proxy.headers import (
     client_response_headers,
@@ -34,6 +35,7 @@ from trace_proxy.proxy.upstreams import (
 
 log = logging.getLogger(__name__)
 STREAM_BODY_ABOVE = 256 * 1024  # bytes; below this, one read beats streaming
+ALLOWED_METHODS = "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"  # for a 405's Allow
 
 
 class Forwarder:
@@ -53,7 +55,7 @@ class Forwarder:
         exchange goes to capture without its bodies (`Exchange.bodies_skipped`).
         `registered`: upstreams a request may name by id (`X-Trace-Proxy-Upstream`)."""
         self._registered = registered
-        self._logged_misdirected = False
+        self._logged_refusals: set[str] = set()
         self._tool_routes = tool_routes or {}
         self._max_body = capture_max_body
         self._skipped = children(metrics.capture_skipped_bodies)
@@ -69,9 +71,22 @@ class Forwarder:
 
     async def handle(self, request: web.BaseRequest) -> web.StreamResponse:
         start = time.time()
+        if request.method == "CONNECT":  # a tunnel to where the client says: never
+            return self._refuse(
+                405,
+                "connect",
+                "trace-proxy is a reverse proxy: CONNECT is not forwarded",
+                {"Allow": ALLOWED_METHODS},
+            )
         target = request.raw_path
         if not target.startswith("/"):  # absolute-form target: only its path and query count
             target = str(request.rel_url)
+            if not target.startswith("/"):  # `OPTIONS *`, or no path at all
+                return self._refuse(
+                    400,
+                    "target",
+                    "trace-proxy forwards requests for a path only (not `*` or an authority)",
+                )
         path_items: list[tuple[str, str]] = []
         if target.startswith(PATH_PREFIX):
             target, path_items = split_rollout_prefix(target)
@@ -133,7 +148,6 @@ class Forwarder:
         """421, not forwarded: the request names no upstream this proxy was given (by its
         command line, or registered over the admin port). Nothing a request says can send it
         anywhere else."""
-        self._requests(kind.value, "4xx").inc()
         if named is None:
             message = (
                 "trace-proxy: no upstream is configured; "
@@ -141,11 +155,30 @@ class Forwarder:
             )
         else:
             message = f"trace-proxy: {UPSTREAM_HEADER} names no registered upstream"
-        if not self._logged_misdirected:
-            self._logged_misdirected = True
-            log.warning("%s (logged once; every time is counted as a 4xx request)", message)
-        payload = {"error": {"message": message, "type": "misdirected_request", "code": 421}}
-        return web.Response(status=421, body=orjson.dumps(payload), content_type="application/json")
+        return self._refuse(421, "misdirected_request", message, kind=kind)
+
+    def _refuse(
+        self,
+        status: int,
+        reason: str,
+        message: str,
+        headers: dict[str, str] | None = None,
+        kind: RouteKind = RouteKind.OTHER,
+    ) -> web.Response:
+        """An answer of the proxy's own, for a request it does not forward: counted as a 4xx
+        request, logged once per reason (the message holds nothing the request said)."""
+        self._requests(kind.value, "4xx").inc()
+        if reason not in self._logged_refusals:
+            self._logged_refusals.add(reason)
+            log.warning("%s: answered %d (logged once; every time is counted as a 4xx "
+                        "request)", message, status)  # fmt: skip
+        payload = {"error": {"message": message, "type": reason, "code": status}}
+        return web.Response(
+            status=status,
+            body=orjson.dumps(payload),
+            content_type="application/json",
+            headers=headers,
+        )
 
     def _skipped_body(self, reason: str) -> None:
         self._skipped("body_too_large").inc()
@@ -268,7 +301,8 @@ class Forwarder:
         cause, detail = exc.cause, exc.detail
         status = 504 if cause == "timeout" else 502
         self._metrics.upstream_errors.labels(upstream.base, cause).inc()
-        log.warning("%s %s -> %s: %s", request.method, request.path, upstream.base, detail)
+        log.warning("%s %s -> %s: %s", request.method, printable(request.path), upstream.base,
+                    printable(detail))  # fmt: skip
         if response is not None:
             # Headers are already on their way: the only honest signal left is a cut
             # connection, so the client sees a failed response, not a short complete one.

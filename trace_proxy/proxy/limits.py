@@ -17,7 +17,9 @@ aiohttp's `web.Server` with a request handler that also
 
 Only the request side is timed: a streamed response lasts as long as the generation does.
 Each refusal is counted by reason and logged once per reason, not once per request: a flood
-of them must not flood the log.
+of them must not flood the log, and no log line holds a byte of the offending head (a long
+`Authorization` header is a credential). The admin port and the viewer are served the same way
+(`LimitedAppRunner`): aiohttp's own handler logs a traceback quoting the head for each.
 """
 
 from __future__ import annotations
@@ -25,13 +27,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import StreamReader, web
 from aiohttp.http_exceptions import BadHttpMessage, LineTooLong
 from aiohttp.web_protocol import RequestHandler
+from prometheus_client import Counter
 
-from trace_proxy.metrics import Metrics, children
+from trace_proxy.logtext import printable
+from trace_proxy.metrics import children
+
+if TYPE_CHECKING:
+    from trace_proxy.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -47,24 +54,40 @@ class ClientLimits:
     max_header_size: int  # bytes of the request line, and of each header line
     max_headers: int
 
+    @classmethod
+    def of(cls, settings: Settings) -> ClientLimits:
+        """What a client may take, on every port (`--client-*-timeout`, `--max-header*`)."""
+        return cls(
+            header_timeout=settings.client_header_timeout,
+            body_timeout=settings.client_body_timeout,
+            max_header_size=settings.max_header_size,
+            max_headers=settings.max_headers,
+        )
+
 
 class Rejections:
-    """Counts what the limits turn away, by reason, and logs each reason the first time."""
+    """Counts what the limits turn away, by reason, and logs each reason the first time.
 
-    def __init__(self, metrics: Metrics) -> None:
-        self._counter = children(metrics.client_rejected)
+    `counter`: a metric labelled by reason (None where nothing is exported, as in the
+    viewer); `port`: which listener, as its log lines name it."""
+
+    def __init__(self, counter: Counter | None, port: str = "the proxy port") -> None:
+        self._counter = children(counter) if counter is not None else None
+        self._name = next(iter(counter.describe())).name if counter is not None else None
+        self._port = port
         self._logged: set[str] = set()
 
     def __call__(self, reason: str, what: str) -> None:
-        self._counter(reason).inc()
+        if self._counter is not None:
+            self._counter(reason).inc()
         if reason not in self._logged:
             self._logged.add(reason)
-            log.warning(
-                "%s (logged once; every time is counted in "
-                'trace_proxy_client_rejected{reason="%s"})',
-                what,
-                reason,
+            counted = (
+                f'every time is counted in {self._name}{{reason="{reason}"}}'
+                if self._name is not None
+                else "every time is answered the same"
             )
+            log.warning("%s: %s (logged once; %s)", self._port, what, counted)
 
 
 _TIMEOUT_BODY = b"408 Request Timeout: the request headers did not arrive in time\n"
@@ -92,6 +115,29 @@ class LimitedServer(web.Server):
 
     def __call__(self) -> RequestHandler:
         return LimitedHandler(self, loop=self._loop, **self._kwargs)
+
+
+class LimitedAppRunner(web.AppRunner):
+    """An `Application` (the admin port, the viewer) served by a `LimitedServer`, with the
+    same limits and answers as the proxy port; routing and middlewares are the app's."""
+
+    def __init__(
+        self, app: web.Application, limits: ClientLimits, rejections: Rejections, **kwargs: Any
+    ) -> None:
+        super().__init__(app, **kwargs)
+        self._limits = limits
+        self._rejections = rejections
+
+    async def _make_server(self) -> web.Server:
+        plain = await super()._make_server()  # the app started and frozen, its handler made
+        return LimitedServer(
+            plain.request_handler,
+            self._limits,
+            self._rejections,
+            request_factory=plain.request_factory,
+            loop=plain._loop,
+            **plain._kwargs,
+        )
 
 
 class LimitedHandler(RequestHandler):
@@ -223,8 +269,9 @@ class LimitedHandler(RequestHandler):
 
 
 def _first_line(message: str) -> str:
-    """The parser's reason without the offending bytes it quotes on the following lines."""
-    return message.strip().splitlines()[0][:120] if message.strip() else "unknown"
+    """The parser's reason without the offending bytes it quotes on the following lines
+    (and what its first line may quote, escaped)."""
+    return printable(message.strip().splitlines()[0][:120]) if message.strip() else "unknown"
 
 
 def _head_too_large(exc: BaseException | None) -> bool:

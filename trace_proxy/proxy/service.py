@@ -35,7 +35,7 @@ from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.spool import SpoolBusy, check_not_in_use
 from trace_proxy.metrics import Metrics, exposition
 from trace_proxy.proxy.forward import Forwarder
-from trace_proxy.proxy.limits import ClientLimits, LimitedServer, Rejections
+from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, LimitedServer, Rejections
 from trace_proxy.proxy.upstream_client import UpstreamClient
 from trace_proxy.proxy.upstreams import (
     RegisteredUpstreams,
@@ -147,7 +147,7 @@ class ProxyService:
         --tokenizer path that does not exist, transformers missing) or ConfigError (the
         spool directory cannot be made, or another running proxy holds it)."""
         settings = self.settings
-        if settings.token2text:
+        if settings.token2text or settings.tokenizer:
             check_configured(settings.tokenizer)
         spool_dir = settings.spool_dir or settings.output / ".spool"
         try:
@@ -177,16 +177,11 @@ class ProxyService:
             registered=self.registered,
         )
         await self.recorder.start()
-        limits = ClientLimits(
-            header_timeout=settings.client_header_timeout,
-            body_timeout=settings.client_body_timeout,
-            max_header_size=settings.max_header_size,
-            max_headers=settings.max_headers,
-        )
+        limits = ClientLimits.of(settings)
         server = LimitedServer(
             forwarder.handle,
             limits,
-            Rejections(self.metrics),
+            Rejections(self.metrics.client_rejected),
             handler_cancellation=True,  # a client that leaves cancels its upstream request
             auto_decompress=False,
             access_log=None,
@@ -198,7 +193,12 @@ class ProxyService:
         proxy_url = _bound_url(site)
         admin_url = None
         if settings.admin_port is not None:
-            self._admin_runner = web.AppRunner(self._admin_app(), access_log=None)
+            self._admin_runner = LimitedAppRunner(
+                self._admin_app(),
+                limits,
+                Rejections(self.metrics.admin_rejected, "the admin port"),
+                access_log=None,
+            )
             await self._admin_runner.setup()
             admin_site = web.TCPSite(self._admin_runner, settings.host, settings.admin_port)
             await admin_site.start()

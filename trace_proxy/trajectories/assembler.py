@@ -212,6 +212,14 @@ class Assembler:
             del self._open[self._identity(trajectory.key)]
             self._close(trajectory, "done")
 
+    def needs_decoder(self, hints: KeyHints, call: GenerateCall) -> bool:
+        """Would `add_call` have to decode `call`'s new ids to tell rollouts apart, with no
+        tokenizer for its model yet (see `TrafficInference.needs_decoder`)?"""
+        if self._inference is None:
+            return False
+        key = hints.key = hints.key or self._key(hints)
+        return self._identity(key) is None and self._inference.needs_decoder(call)
+
     def latest_prompt(self, hints: KeyHints) -> tuple[bytes, int] | None:
         """The JSON text of the latest prompt ids the open trajectory `hints` names holds,
         already known to be ids, and how many (see `decode_request`). Before its first call:

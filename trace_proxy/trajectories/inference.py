@@ -157,6 +157,14 @@ def _kind(sequence: Sequence[Any] | str) -> str:
     return "messages" if sequence and isinstance(sequence[0], tuple) else "tokens"
 
 
+def _decodable(sequence: Sequence[Any] | str, candidates: list[_Context]) -> bool:
+    """Could decoding tell these candidates apart? Token ids continuing replies that came as
+    text (each candidate's)."""
+    if isinstance(sequence, str) or _kind(sequence) != "tokens":
+        return False
+    return all(c.reply for c in candidates)
+
+
 class TrafficInference:
     def __init__(
         self,
@@ -327,10 +335,11 @@ class TrafficInference:
         return step
 
     def _continued(
-        self, sequence: Sequence[Any] | str, model: str | None
+        self, sequence: Sequence[Any] | str, model: str | None, decode: bool = True
     ) -> _Context | list[_Context] | None:
         """The trajectory `sequence` continues; a list of the candidates when several match
-        equally well and nothing tells them apart; None when none matches."""
+        equally well and nothing tells them apart (without `decode`, nothing is tried);
+        None when none matches."""
         kind = _kind(sequence)
         best: list[_Context] = []
         for items in (BUCKET_ITEMS, *sorted(self._short_heads)):
@@ -351,21 +360,31 @@ class TrafficInference:
             return None
         if len(best) == 1:
             return best[0]
-        return self._by_reply(sequence, best, model)
+        return self._by_reply(sequence, best, model) if decode else best
+
+    def needs_decoder(self, call: GenerateCall) -> bool:
+        """Would placing `call` tell rollouts apart by decoding its new ids, with no decoder
+        for its model yet? (Asked while the tokenizer loads: such a call waits for it rather
+        than start a trajectory marked ambiguous.)"""
+        sequence = _sequence(call)
+        if sequence is None:
+            return False
+        found = self._continued(sequence, call.model, decode=False)
+        if not isinstance(found, list) or not _decodable(sequence, found):
+            return False
+        return self.tokenizers is None or self.tokenizers.for_model(call.model) is None
 
     def _by_reply(
         self, sequence: Sequence[Any] | str, candidates: list[_Context], model: str | None
     ) -> _Context | list[_Context]:
         """The one candidate whose text-only reply the new ids decode to, if exactly one.
         Only token ids need this: text and chat prompts carry the reply itself."""
-        if isinstance(sequence, str):
-            return candidates
-        if _kind(sequence) != "tokens":
+        if not _decodable(sequence, candidates):
             return candidates
         decode = self.tokenizers.for_model(model) if self.tokenizers is not None else None
-        replies = [c.reply for c in candidates]
-        if decode is None or any(not r for r in replies):
+        if decode is None:
             return candidates
+        replies = [c.reply for c in candidates]
         start = len(candidates[0].sequence)
         longest = max(len(r) for r in replies if r)
         try:

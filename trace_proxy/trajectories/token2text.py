@@ -104,7 +104,10 @@ def check_configured(sources: list[str]) -> None:
     transformers is missing, or a `--tokenizer` path does not exist. Loading happens in the
     export process, whose start-up is not waited for; what it finds is reported then."""
     if importlib.util.find_spec("transformers") is None:
-        raise TokenizerError("token2text needs transformers: pip install 'trace-proxy[text]'")
+        raise TokenizerError(
+            "decoding token ids (--token2text, --tokenizer) needs transformers: "
+            "pip install 'trace-proxy[text]'"
+        )
     for source in sources:
         _, eq, path = source.partition("=")
         if not eq or os.path.exists(source):

@@ -25,6 +25,8 @@ import jinja2
 import orjson
 from aiohttp import web
 
+from trace_proxy.config import Settings
+from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
 from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import views
 from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
@@ -59,6 +61,16 @@ def run_url(run: Run) -> str:
     return f"/run/{run.store}/{project}/{experiment}"
 
 
+def trajectory_url(run: Run, trajectory_id: str, raw: bool = False) -> str:
+    """A trajectory's page (or its raw record): its id is one path segment, whatever it holds
+    (`/`, `?`, `#`), or the query where a segment cannot hold it (`.` and `..`, which every
+    URL parser removes)."""
+    if trajectory_id in (".", ".."):
+        query = {"id": trajectory_id, **({"raw": "1"} if raw else {})}
+        return f"{run_url(run)}/t?{urlencode(query)}"
+    return f"{run_url(run)}/t/{quote(trajectory_id, safe='')}{'/raw' if raw else ''}"
+
+
 def ids_query(entries: Sequence[Entry]) -> str:
     return urlencode([("id", e.id) for e in entries])
 
@@ -90,7 +102,10 @@ def _environment() -> jinja2.Environment:
         marked=views.marked, num=_num, when=_when, secs=_secs, step_name=step_name,
         message_text=views.message_text, json=_json_text,
     )  # fmt: skip
-    env.globals.update(run_url=run_url, urlencode=urlencode, sorts=SORTS, ids_query=ids_query)
+    env.globals.update(
+        run_url=run_url, trajectory_url=trajectory_url, urlencode=urlencode, sorts=SORTS,
+        ids_query=ids_query,
+    )  # fmt: skip
     return env
 
 
@@ -113,6 +128,7 @@ class Viewer:
         app.router.add_get(base + "/step/{step}", self.step_page)
         app.router.add_get(base + "/t/{id}", self.trajectory_page)
         app.router.add_get(base + "/t/{id}/raw", self.raw_record)
+        app.router.add_get(base + "/t", self.by_query)  # ?id=, see trajectory_url
         app.router.add_get(base + "/compare", self.compare_page)
         return app
 
@@ -150,7 +166,8 @@ class Viewer:
     def _entry(self, request: web.Request) -> tuple[Run, Entry]:
         """The run and the trajectory a page's URL names (404 when either is unknown)."""
         run = self._run(request)
-        entry = run.by_id.get(request.match_info["id"])
+        trajectory_id = request.match_info.get("id", request.query.get("id", ""))
+        entry = run.by_id.get(trajectory_id)
         if entry is None:
             raise web.HTTPNotFound(text="no such trajectory in this run\n")
         return run, entry
@@ -251,6 +268,12 @@ class Viewer:
             transcript=transcript_of(record),
             key=(entry.validate, entry.step), timeline=_timeline(view),
         )  # fmt: skip
+
+    async def by_query(self, request: web.Request) -> web.Response:
+        """A trajectory whose id cannot be a path segment: `?id=` (and `raw=1`)."""
+        if request.query.get("raw"):
+            return await self.raw_record(request)
+        return await self.trajectory_page(request)
 
     async def raw_record(self, request: web.Request) -> web.Response:
         await self._refreshed()
@@ -478,7 +501,8 @@ async def start(
     index = StoreIndex(stores)
     await asyncio.to_thread(index.refresh, True)
     viewer = Viewer(index, piece)
-    runner = web.AppRunner(viewer.app(), access_log=None)
+    limits = ClientLimits.of(Settings())  # the proxy's defaults
+    runner = LimitedAppRunner(viewer.app(), limits, Rejections(None, "the viewer"), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
     await site.start()

@@ -1,0 +1,194 @@
+"""No ambiguity while the tokenizer loads: text-only replies continued by token-id prompts (what
+skyrl-train sends vLLM) are told apart by decoding, and calls that need the tokenizer wait for
+it, bounded and counted, instead of being recorded as `inferred:ambiguous`.
+
+The tokenizer is the real Qwen one; its loading is held back by the test (an event), so that
+the traffic surely arrives while it loads, then let go.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import threading
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from proxy_helpers import metric, running_proxy, scripted_upstream, trajectories
+
+from trace_proxy.capture import recorder as recorder_module
+from trace_proxy.capture import stage as stage_module
+from trace_proxy.config import Settings
+from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+from trace_proxy.proxy.service import ProxyService
+from trace_proxy.trajectories.prompts import expand_prompts
+from trace_proxy.trajectories.token2text import TokenizerError
+
+GUARD = 60.0  # seconds: a failure bound, not a synchronisation
+FIRST = "Question: what is the capital of France? Answer briefly."
+REPLIES = ["Paris is the capital.", "I believe it is Lyon."]
+
+
+class HeldLoader:
+    """`load_configured`, held until `release`: the tokenizer is surely loading meanwhile."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.real = recorder_module.load_configured
+
+    def __call__(self, sources: list[str], skip_special_tokens: bool) -> Any:
+        if not self.released.wait(GUARD):
+            raise AssertionError("the test never let the tokenizer load")
+        return self.real(sources, skip_special_tokens)
+
+
+class TextOnlyVLLM:
+    """vLLM's /v1/completions without `return_token_ids`: the reply comes as text only (the
+    response shape of inference-apis.md, trimmed to what the dialect reads). The group's first
+    calls get REPLIES in turn; every later call a short answer."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        text = REPLIES[self.calls] if self.calls < len(REPLIES) else " Done."
+        self.calls += 1
+        return web.json_response({
+            "id": f"cmpl-{self.calls}", "object": "text_completion", "created": 0,
+            "model": body["model"],
+            "choices": [{"index": 0, "text": text, "logprobs": None,
+                         "finish_reason": "stop", "stop_reason": None}],
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 5,
+                      "total_tokens": len(body["prompt"]) + 5},
+        })  # fmt: skip
+
+
+async def roll_out(proxy: str, tokenizer: Any) -> None:
+    """Two rollouts of one prompt (a GRPO group), then each continued with its own reply
+    re-tokenized and a tool's output, in the opposite order: only decoding tells them apart."""
+    first = tokenizer.encode(FIRST)
+    async with aiohttp.ClientSession() as session:
+        for _ in REPLIES:
+            body = {"model": "tiny-qwen", "prompt": first, "max_tokens": 8}
+            async with session.post(proxy + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        for reply in reversed(REPLIES):
+            more = tokenizer.encode(reply + "\n<tool_response>42</tool_response>\n")
+            body = {"model": "tiny-qwen", "prompt": first + more, "max_tokens": 8}
+            async with session.post(proxy + "/v1/completions", json=body) as resp:
+                assert resp.status == 200
+
+
+def ambiguous(recorded: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [t for t in recorded if t["key"]["sources"]["trajectory_id"] == "inferred:ambiguous"]
+
+
+async def serve(settings: Settings) -> tuple[ProxyService, str]:
+    service = ProxyService(settings)
+    addresses = await service.start()
+    return service, addresses.proxy
+
+
+@pytest.mark.parametrize("token2text", [False, True])
+async def test_continuations_wait_for_the_loading_tokenizer(
+    tmp_path: Path, qwen_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, token2text: bool
+) -> None:
+    loader = HeldLoader()
+    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    upstream = TextOnlyVLLM()
+    async with scripted_upstream(upstream.handle) as up:
+        settings = dataclasses.replace(
+            Settings(), upstream=[up], port=0, admin_port=0, output=tmp_path,
+            capture_mode="inline", export_mode="inline", token2text=token2text,
+            tokenizer=[str(ensure_qwen_tokenizer())],
+        )  # fmt: skip
+        service, proxy = await serve(settings)
+        try:
+            assert service.readiness()["tokenizer"] == "loading"  # /ready is 503 meanwhile
+            await roll_out(proxy, qwen_tokenizer)
+            assert service.readiness()["tokenizer"] == "loading"
+            loader.released.set()
+            await asyncio.wait_for(service.wait_ready(), GUARD)
+            assert service.readiness()["tokenizer"] == "ok"
+            await asyncio.wait_for(service.flush(), GUARD)
+            waited = metric(service.metrics, "trace_proxy_inference_decoder_waits_total",
+                            outcome="decoded")  # fmt: skip
+        finally:
+            loader.released.set()
+            await service.stop()
+    recorded = trajectories(tmp_path)
+    assert waited >= 1
+    assert not ambiguous(recorded)
+    assert len(recorded) == 2
+    first = qwen_tokenizer.encode(FIRST)
+    for t in recorded:
+        assert len(t["calls"]) == 2
+        [reply] = [o["text"] for o in t["calls"][0]["outputs"]]
+        prompts = expand_prompts(t)
+        assert prompts[0]["token_ids"] == first
+        # the second prompt carries this very rollout's reply after the first prompt
+        assert qwen_tokenizer.decode(prompts[1]["token_ids"][len(first) :]).startswith(reply)
+
+
+async def test_the_wait_is_bounded_and_what_stays_undecided_is_marked(
+    tmp_path: Path, qwen_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A tokenizer that does not come in time: the calls that waited are placed as ambiguous
+    (never attached to a guess), and counted."""
+    loader = HeldLoader()
+    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    monkeypatch.setattr(stage_module, "DECODER_WAIT", 0.5)
+    upstream = TextOnlyVLLM()
+    async with scripted_upstream(upstream.handle) as up:
+        settings = dataclasses.replace(
+            Settings(), upstream=[up], port=0, admin_port=0, output=tmp_path,
+            capture_mode="inline", export_mode="inline",
+            tokenizer=[str(ensure_qwen_tokenizer())],
+        )  # fmt: skip
+        service, proxy = await serve(settings)
+        try:
+            await roll_out(proxy, qwen_tokenizer)
+            await asyncio.wait_for(service.recorder.capture.drain(), GUARD)
+            undecided = metric(service.metrics, "trace_proxy_inference_decoder_waits_total",
+                               outcome="no_decoder")  # fmt: skip
+        finally:
+            loader.released.set()
+            await service.stop()
+    assert undecided == 1  # the first continuation waited; later ones did not wait again
+    recorded = trajectories(tmp_path)
+    ambiguous = [
+        t for t in recorded if t["key"]["sources"]["trajectory_id"] == "inferred:ambiguous"
+    ]
+    assert len(ambiguous) == 2
+    assert all(len(t["calls"]) == 1 for t in recorded)
+
+
+async def test_ready_names_the_tokenizer_without_token2text(
+    tmp_path: Path, qwen_tokenizer: Any
+) -> None:
+    """The capture process (the default) loads --tokenizer for inference; /ready waits for it
+    and says so, and text-only continuations are then told apart."""
+    upstream = TextOnlyVLLM()
+    async with (
+        scripted_upstream(upstream.handle) as up,
+        running_proxy([up], tmp_path, tokenizer=[str(ensure_qwen_tokenizer())]) as (service, proxy),
+    ):
+        assert service.readiness()["tokenizer"] == "ok"
+        await roll_out(proxy, qwen_tokenizer)
+    recorded = trajectories(tmp_path)
+    assert sorted(len(t["calls"]) for t in recorded) == [2, 2]
+    assert not ambiguous(recorded)
+
+
+async def test_a_tokenizer_that_does_not_load_stops_the_proxy(tmp_path: Path) -> None:
+    """Without token2text too: --tokenizer names a directory that holds no tokenizer."""
+    empty = tmp_path / "not-a-tokenizer"
+    empty.mkdir()
+    async with scripted_upstream(TextOnlyVLLM().handle) as up:
+        with pytest.raises(TokenizerError):
+            async with running_proxy([up], tmp_path / "out", tokenizer=[str(empty)]):
+                pass
