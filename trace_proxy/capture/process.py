@@ -57,7 +57,12 @@ from trace_proxy.config import ConfigError, Settings
 from trace_proxy.lifeline import Lifeline
 from trace_proxy.metrics import Metrics, RelayedMetrics
 from trace_proxy.trajectories.rewards import RewardError
-from trace_proxy.trajectories.sampler import sampler_of
+from trace_proxy.trajectories.sampler import (
+    DECIDED_STEPS,
+    StepDecision,
+    parse_decision,
+    sampler_of,
+)
 from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -97,6 +102,8 @@ class CaptureProcess(Helper):
         self._pending_bytes = 0
         self._resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
         self._refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # as the child said
+        # Steps decided by whoever saw their batch (`give_samples`), told again to a new child.
+        self._decisions: OrderedDict[tuple[str, int, bool], StepDecision] = OrderedDict()
         self._sampler = sampler_of(settings)  # for the refusals that need no state alone
         self._refuses_alone = self._sampler.refuses_alone
         self._child_checks: dict[str, str] = {}  # as the child last said
@@ -174,6 +181,18 @@ class CaptureProcess(Helper):
         where: str = await self._ask({"op": "annotate", "outcome": payload})
         return where
 
+    async def give_samples(self, decision: StepDecision) -> bool:
+        """Told to this capture process, and to the next one if it is restarted."""
+        key = (decision.experiment, decision.step, decision.validate)
+        known = self._decisions.pop(key, None)
+        if known is not None:  # a step given in parts: all of it for the next process
+            decision = StepDecision(*key, tuple(dict.fromkeys((*known.kept, *decision.kept))))
+        self._decisions[key] = decision
+        while len(self._decisions) > DECIDED_STEPS:
+            self._decisions.popitem(last=False)
+        given: bool = await self._ask({"op": "sampling", "decision": decision.as_json()})
+        return given
+
     def checks(self) -> dict[str, str]:
         """For /ready: this process's state, and what it last said of its spool, its export
         process and the tokenizers."""
@@ -213,6 +232,10 @@ class CaptureProcess(Helper):
         self._refused.clear()  # a new sampler: it says again what it refuses
         self._child_checks = {}
         self._transport = self._writer.transport  # type: ignore[assignment]
+        for (
+            decision
+        ) in self._decisions.values():  # what the last one was told, ahead of any exchange
+            self._writer.write(encode_control({"op": "sampling", "decision": decision.as_json()}))
         self.generation += 1
 
     def _died(self) -> None:
@@ -257,13 +280,13 @@ class CaptureProcess(Helper):
             self._custody.spooling(message["first"], message["units"])
         elif op == "refused":
             _remember(self._refused, tuple(message["sample"]))
-        elif op in ("annotated", "flushed"):
+        elif op in ("annotated", "flushed", "sampled"):
             future = self._answers.pop(message["id"], None)
             if future is not None and not future.done():
                 if "error" in message:
                     future.set_exception(RewardError(message["error"]))
                 else:
-                    future.set_result(message.get("where"))
+                    future.set_result(message.get("where", message.get("given")))
         else:
             super()._on_message(op, message)
 
@@ -401,6 +424,10 @@ class _Child:
                     self.send({"op": "annotated", "id": frame["id"], "error": str(exc)})
                 else:
                     self.send({"op": "annotated", "id": frame["id"], "where": where})
+            elif op == "sampling":
+                given = await recorder.give_samples(parse_decision(frame["decision"]))
+                if "id" in frame:
+                    self.send({"op": "sampled", "id": frame["id"], "given": given})
             elif op == "hurry":
                 recorder.hurry()
             elif op == "stop":

@@ -37,7 +37,7 @@ from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.rewards import Outcome, parse_outcome
-from trace_proxy.trajectories.sampler import sampler_of
+from trace_proxy.trajectories.sampler import StepDecision, sampler_of
 from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
 
@@ -68,6 +68,13 @@ class Recorder:
         closed = children(metrics.trajectories_closed)
         self.inference = TrafficInference(on_evict=metrics.inference_evicted.inc)
         sampler_dropped, sampled = children(metrics.sampler_dropped), children(metrics.sampled)
+        self.gate = SamplingGate(
+            sampler_of(settings),
+            self.pipeline.submit,
+            on_drop=lambda what, why: sampler_dropped(what, why).inc(),
+            on_count=lambda what, outcome, n: sampled(what, outcome).inc(n),
+            ledger=self.ledger,
+        )
         self.assembler = Assembler(
             self.pipeline.submit,
             project=settings.project,
@@ -78,13 +85,7 @@ class Recorder:
             ledger=self.ledger,
             on_close=lambda reason: closed(reason).inc(),
             inference=self.inference,
-            gate=SamplingGate(
-                sampler_of(settings),
-                self.pipeline.submit,
-                on_drop=lambda what, why: sampler_dropped(what, why).inc(),
-                on_count=lambda what, outcome, n: sampled(what, outcome).inc(n),
-                ledger=self.ledger,
-            ),
+            gate=self.gate,
         )
         self._annotating: set[asyncio.Future[None]] = set()
         self.capture = CaptureStage(
@@ -313,6 +314,11 @@ class Recorder:
             flushing.cancel()
             raise RuntimeError(f"records cannot be exported: {self.failure.result()}")
         await flushing
+
+    async def give_samples(self, decision: StepDecision) -> bool:
+        """A step's kept samples, decided by whoever saw its whole batch; False when this
+        proxy does not keep a number of samples per step of that kind."""
+        return self.gate.give(decision)
 
     async def annotate(self, payload: Any) -> str:
         """Attach a reward (RewardError when it is not one): where its trajectory was, or

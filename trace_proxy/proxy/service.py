@@ -44,6 +44,7 @@ from trace_proxy.proxy.upstreams import (
     UpstreamPool,
 )
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
+from trace_proxy.trajectories.sampler import DecisionError, parse_decision
 from trace_proxy.trajectories.token2text import check_configured
 
 log = logging.getLogger(__name__)
@@ -250,6 +251,7 @@ class ProxyService:
         app.router.add_get("/health", self._health_endpoint)
         app.router.add_get("/ready", self._ready_endpoint)
         app.router.add_post("/rewards", self._rewards_endpoint)
+        app.router.add_post("/sampling", self._sampling_endpoint)
         app.router.add_get("/upstreams", self._upstreams_endpoint)
         app.router.add_put("/upstreams/{id}", self._register_endpoint)
         app.router.add_delete("/upstreams/{id}", self._unregister_endpoint)
@@ -302,6 +304,27 @@ class ProxyService:
         except RuntimeError as exc:  # the capture process is restarting
             return web.json_response({"error": str(exc)}, status=503)
         return web.json_response({"attached_to": where})
+
+    async def _sampling_endpoint(self, request: web.Request) -> web.Response:
+        """The kept samples of one step, decided by whoever saw its whole batch (verl's
+        agent-loop manager): `{"experiment", "step", "validate", "kept": [...]}`."""
+        try:
+            decision = parse_decision(orjson.loads(await request.read()))
+        except orjson.JSONDecodeError as exc:
+            return web.json_response({"error": f"the body is not JSON: {exc}"}, status=400)
+        except DecisionError as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        try:
+            given = await self.recorder.give_samples(decision)
+        except RuntimeError as exc:  # the capture process is restarting
+            return web.json_response({"error": str(exc)}, status=503)
+        if not given:
+            kind = "validation" if decision.validate else "training"
+            return web.json_response({"error": f"this proxy keeps no number of samples per "
+                                      f"{kind} step (--max-samples-per-step, "
+                                      "--validate-max-samples-per-step): nothing to decide"},
+                                     status=409)  # fmt: skip
+        return web.json_response({"kept": len(decision.kept)})
 
     async def _metrics_endpoint(self, request: web.Request) -> web.Response:
         body = exposition(self.metrics.registry)

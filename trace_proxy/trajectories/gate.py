@@ -27,7 +27,7 @@ from trace_proxy.trajectories.record import (
     Trajectory,
 )
 from trace_proxy.trajectories.rewards import ExportedIndex, Outcome, apply, matches
-from trace_proxy.trajectories.sampler import DECIDED_STEPS, Fate, Sampler
+from trace_proxy.trajectories.sampler import DECIDED_STEPS, Fate, Sampler, StepDecision
 
 StepScope = tuple[str, str, bool, Any]  # project, experiment, validate, step
 ENDED_STEPS = DECIDED_STEPS  # steps remembered as ended, so late arrivals never reopen one
@@ -77,6 +77,12 @@ class SamplingGate:
         self._active = any(
             p.max_samples is not None or p.rate is not None
             for p in (sampler.policy(False), sampler.policy(True))
+        )
+
+    def give(self, decision: StepDecision) -> bool:
+        """A step's kept samples, decided by whoever saw its whole batch (`Sampler.give`)."""
+        return self._sampler.give(
+            decision.experiment, decision.step, decision.validate, decision.kept
         )
 
     @property
@@ -135,6 +141,10 @@ class SamplingGate:
             return
         self._released.setdefault(scope, set()).add(rollout)
         sample = sample_of(key)
+        given = self._sampler.given(key.experiment, key.step, bool(key.validate), sample)
+        if given is not None:  # the step's samples were named: no waiting for its end
+            (self._export if given else self._drop)(scope, trajectory)
+            return
         if not self._sampler.is_candidate(key.experiment, key.step, bool(key.validate), sample):
             self._drop(scope, trajectory)
             return

@@ -13,6 +13,10 @@ here a sample's fate depends only on a keyed hash of (seed, experiment, step, va
   N smallest of what it saw, and the N smallest overall are among them).
 - `None` keeps everything; 0 keeps nothing. Whole samples are kept: every rollout of a kept
   sample (a whole GRPO group).
+- A top-N step may also be decided by whoever sees its whole batch (verl's agent-loop manager,
+  in front of a proxy per node): `give` names its kept samples, and every other sample of that
+  step is dropped from its first call. Each proxy then keeps exactly what the manager chose,
+  so N samples are kept per step across any number of proxies, not N per proxy.
 - A step once decided stays decided (the latest DECIDED_STEPS are remembered): a sample that
   arrives after its step ended is judged against what was kept, kept when it is one of the
   kept samples or would have been among the N smallest (fewer than N kept, or its hash below
@@ -25,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import heapq
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -94,6 +99,7 @@ class Sampler:
         self._policies = {False: train, True: validate}
         self._steps: dict[StepId, _Step] = {}
         self._decided: OrderedDict[StepId, _Decided] = OrderedDict()
+        self._given: OrderedDict[StepId, set[str]] = OrderedDict()  # see `give`
 
     def policy(self, validate: bool) -> Policy:
         return self._policies[validate]
@@ -112,6 +118,9 @@ class Sampler:
         if policy.max_samples == 0:
             return Fate.DROP, []
         name = str(sample)
+        given = self._given.get((experiment, step, validate))
+        if given is not None:
+            return (Fate.KEEP if name in given else Fate.DROP), []
         decided = self._decided.get((experiment, step, validate))
         if decided is not None:
             return (Fate.KEEP if decided.keeps(name, h) else Fate.DROP), []
@@ -130,6 +139,22 @@ class Sampler:
         state.members.add(name)
         return Fate.CANDIDATE, [evicted]
 
+    def give(self, experiment: str, step: int | None, validate: bool, kept: Iterable[Any]) -> bool:
+        """The step's kept samples, as decided by whoever saw its whole batch: these are kept,
+        every other sample of the step dropped (final). A later call adds to what is kept (a
+        step whose batch came in parts). False when this kind of step keeps every sample or
+        samples by rate here: no top-N to decide, nothing is changed."""
+        if self._policies[validate].max_samples is None:
+            return False
+        step_id = (experiment, step, validate)
+        given = self._given.get(step_id)
+        if given is None:
+            given = self._given[step_id] = set()
+            while len(self._given) > DECIDED_STEPS:
+                self._given.popitem(last=False)
+        given.update(str(sample) for sample in kept)
+        return True
+
     @property
     def refuses_alone(self) -> bool:
         """Does a policy refuse samples without state (a rate, or none kept)? Then any
@@ -146,6 +171,11 @@ class Sampler:
             return False
         return sample_hash(self.seed, experiment, step, validate, sample) >= policy.rate
 
+    def given(self, experiment: str, step: int | None, validate: bool, sample: Any) -> bool | None:
+        """Whether the sample is kept, when its step's samples were named (`give`); else None."""
+        given = self._given.get((experiment, step, validate))
+        return None if given is None else str(sample) in given
+
     def is_candidate(self, experiment: str, step: int | None, validate: bool, sample: Any) -> bool:
         state = self._steps.get((experiment, step, validate))
         return state is not None and str(sample) in state.members
@@ -161,12 +191,19 @@ class Sampler:
         max_samples = self._policies[validate].max_samples
         if max_samples is None or max_samples == 0:
             return set()
+        given = self._given.get(step_id)
+        if given is not None:  # nothing else is kept, late or not
+            self._remember(step_id, _Decided(frozenset(given), 0.0, True))
+            return set(given)
         kept = frozenset(state.members) if state is not None else frozenset()
         largest = -state.heap[0][0] if state is not None and state.heap else 0.0
-        self._decided[step_id] = _Decided(kept, largest, len(kept) >= max_samples)
+        self._remember(step_id, _Decided(kept, largest, len(kept) >= max_samples))
+        return set(kept)
+
+    def _remember(self, step_id: StepId, decided: _Decided) -> None:
+        self._decided[step_id] = decided
         while len(self._decided) > DECIDED_STEPS:
             self._decided.popitem(last=False)
-        return set(kept)
 
 
 def sampler_of(settings: Settings) -> Sampler:
@@ -176,3 +213,46 @@ def sampler_of(settings: Settings) -> Sampler:
         train=Policy(settings.max_samples_per_step, settings.sample_rate),
         validate=Policy(settings.validate_max_samples_per_step, settings.validate_sample_rate),
     )
+
+
+class DecisionError(ValueError):
+    """A step's sampling decision the proxy cannot take; the message says what to fix."""
+
+
+@dataclass(frozen=True)
+class StepDecision:
+    """`POST /sampling` on the admin port: the samples of one step to keep (see `give`)."""
+
+    experiment: str
+    step: int
+    validate: bool
+    kept: tuple[int | str, ...]
+
+    def as_json(self) -> dict[str, Any]:
+        return {"experiment": self.experiment, "step": self.step, "validate": self.validate,
+                "kept": list(self.kept)}  # fmt: skip
+
+
+MAX_KEPT = 1 << 20
+
+
+def parse_decision(payload: Any) -> StepDecision:
+    """`{"experiment": str, "step": int, "validate": bool, "kept": [sample index, ...]}`."""
+    if not isinstance(payload, dict):
+        raise DecisionError("the body must be a JSON object")
+    unknown = set(payload) - {"experiment", "step", "validate", "kept"}
+    if unknown:
+        raise DecisionError(f"unknown field(s): {', '.join(sorted(map(str, unknown)))}")
+    experiment, step = payload.get("experiment"), payload.get("step")
+    validate, kept = payload.get("validate", False), payload.get("kept")
+    if not isinstance(experiment, str) or not experiment:
+        raise DecisionError("'experiment' must be a non-empty string")
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise DecisionError("'step' must be an integer")
+    if not isinstance(validate, bool):
+        raise DecisionError("'validate' must be true or false")
+    if not isinstance(kept, list) or len(kept) > MAX_KEPT:
+        raise DecisionError(f"'kept' must be a list of at most {MAX_KEPT} sample indices")
+    if any(isinstance(k, bool) or not isinstance(k, (int, str)) for k in kept):
+        raise DecisionError("'kept' holds sample indices (integers or strings)")
+    return StepDecision(experiment, step, validate, tuple(kept))
