@@ -122,3 +122,18 @@ def test_missing_config_file_is_named(tmp_path: Path) -> None:
     result = run_cli("serve", "--upstream", "http://x:1", "--config", str(tmp_path / "nope.yaml"))
     assert result.returncode == 2
     assert "--config" in result.stderr and "nope.yaml" in result.stderr
+
+
+def test_an_option_value_may_begin_with_a_dash() -> None:
+    """`secrets.token_urlsafe` makes tokens that begin with `-` one time in 64."""
+    from trace_proxy.cli import build_parser
+    from trace_proxy.config import values_may_start_with_dash
+
+    argv = ["serve", "--admin-token", "-Xy_9", "--register-upstreams", "--sample-seed", "-3"]
+    parsed = vars(build_parser().parse_args(values_may_start_with_dash(argv)))
+    parsed.pop("command")
+    settings = resolve("serve", parsed)
+    assert (settings.admin_token, settings.sample_seed) == ("-Xy_9", -3)
+    assert settings.register_upstreams
+    # a value that is itself an option is still a missing value
+    assert run_cli("serve", "--admin-token", "--register-upstreams").returncode == 2

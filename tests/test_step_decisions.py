@@ -9,6 +9,7 @@ that is not sticky would spread them.
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import signal
 from pathlib import Path
@@ -18,7 +19,9 @@ import aiohttp
 from proxy_helpers import metric, running_proxy, trajectories
 
 from trace_proxy.capture.process import CaptureProcess
+from trace_proxy.show import show
 from trace_proxy.trajectories.sampler import Policy, Sampler, sample_hash
+from trace_proxy.ui.index import StoreIndex
 
 TOKEN = "t0ken"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -62,13 +65,16 @@ def summaries(output: Path) -> list[dict[str, Any]]:
 async def test_two_proxies_keep_exactly_the_samples_the_manager_chose(
     fake_vllm: tuple[Any, str], tmp_path: Path
 ) -> None:
+    """Each proxy writes its replica directory of one output, read back as one store."""
     _, upstream = fake_vllm
+    output = tmp_path / "run"
+    replicas = output / "replicas"
     options = {"admin_token": TOKEN, "max_samples_per_step": N, "capture_mode": "inline",
                "export_mode": "inline"}  # fmt: skip
     chosen = [6, 1]  # not what either proxy's own top-N would keep: the manager decides
     async with (
-        running_proxy([upstream], tmp_path / "a", **options) as (a, proxy_a),
-        running_proxy([upstream], tmp_path / "b", **options) as (b, proxy_b),
+        running_proxy([upstream], replicas / "a", **options) as (a, proxy_a),
+        running_proxy([upstream], replicas / "b", **options) as (b, proxy_b),
         aiohttp.ClientSession() as session,
     ):
         for service in (a, b):
@@ -89,12 +95,26 @@ async def test_two_proxies_keep_exactly_the_samples_the_manager_chose(
             metric(s.metrics, name, what="trajectories", outcome="dropped_by_sampler")
             for s in (a, b)
         )
-    step_one = [key for key in kept_keys(tmp_path / "a", tmp_path / "b") if key[0] == 1]
+    step_one = [key for key in kept_keys(replicas / "a", replicas / "b") if key[0] == 1]
     assert step_one == sorted((1, s, r) for s in chosen for r in range(ROLLOUTS))
     assert dropped == (SAMPLES - len(chosen)) * ROLLOUTS
-    seen = [s for out in ("a", "b") for s in summaries(tmp_path / out) if s.get("step") == 1]
-    assert sum(s["trajectories_kept"] for s in seen) == len(chosen) * ROLLOUTS
-    assert sum(s["trajectories_seen"] for s in seen) == SAMPLES * ROLLOUTS
+    seen = [s for out in ("a", "b") for s in summaries(replicas / out) if s.get("step") == 1]
+    assert len(seen) == 2  # each replica summarises what it saw of the step
+    # `show` and the viewer read the output as one store: one run, one summary per step
+    printed = io.StringIO()
+    assert show(output, out=printed) == 0
+    lines = printed.getvalue().splitlines()
+    [step_line] = [line for line in lines if line.startswith("-- step 1:")]
+    assert step_line.startswith(f"-- step 1: {SAMPLES * ROLLOUTS} trajectories "
+                                f"({len(chosen) * ROLLOUTS} kept, ")  # fmt: skip
+    assert sum(line.startswith("== default/exp · step 1 ") for line in lines) == 4
+    index = StoreIndex([output], min_interval=0)
+    index.refresh(force=True)
+    [run] = index.runs.values()
+    step = run.steps[(False, 1)]
+    assert step.summary is not None and step.summary["trajectories_kept"] == 4
+    assert step.summary["trajectories_seen"] == SAMPLES * ROLLOUTS
+    assert sorted(e.sample_index for e in step.entries) == sorted(chosen * ROLLOUTS)
 
 
 async def test_a_decision_needs_the_token_a_valid_body_and_a_top_n_policy(

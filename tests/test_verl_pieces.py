@@ -232,3 +232,81 @@ def test_the_core_never_imports_verl_or_the_integration() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_manager_keeps_the_n_smallest_keyed_hashes_as_one_proxy_would() -> None:
+    from trace_proxy.integrations.verl.sampling import StepChooser
+    from trace_proxy.trajectories.sampler import Policy, Sampler
+
+    chooser = StepChooser(seed=7, experiment="exp", max_samples=3, validate_max_samples=None)
+    batch = [i for i in range(20) for _ in range(4)]  # 20 samples x 4 rollouts, as verl's rows
+    kept = chooser.choose(5, False, batch)
+    assert kept is not None and len(kept) == 3
+    # the same as one proxy's own top-N over the whole step
+    sampler = Sampler(7, train=Policy(max_samples=3))
+    for sample in range(20):
+        sampler.decide("exp", 5, False, sample)
+    assert {str(k) for k in kept} == sampler.finish_step("exp", 5, False)
+    assert StepChooser(7, "exp", 3, None).choose(5, False, reversed(batch)) == kept  # any order
+    assert chooser.choose(5, True, batch) is None  # validation keeps every sample here
+    # a step whose batch comes in parts never keeps more than N
+    parts = StepChooser(7, "exp", 3, None)
+    first = parts.choose(6, False, range(10))
+    assert first is not None and len(first) == 3
+    assert parts.choose(6, False, range(10, 20)) == first
+
+
+def test_outputs_and_text_for_tool_spans_come_from_the_plugin_settings(tmp_path: Path) -> None:
+    config = _config()
+    config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)  # a local tokenizer
+    config["trace_proxy"] = {"output": "/data/traces", "host": "10.0.0.7"}
+    settings = read_settings(config)
+    assert (settings.output, settings.host) == ("/data/traces", "10.0.0.7")
+    assert "--output" not in settings.proxy_args and "--host" not in settings.proxy_args
+    # decoded by default when the model's tokenizer is local: tool calls become tool spans
+    assert "--token2text" in settings.proxy_args
+    assert settings.proxy_args[settings.proxy_args.index("--tokenizer") + 1] == str(tmp_path)
+    config["trace_proxy"] = {"token2text": False}
+    assert "--token2text" not in read_settings(config).proxy_args
+    assert "--token2text" not in read_settings(_config()).proxy_args  # no local tokenizer
+
+
+async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed_around(
+    tmp_path: Path, qwen_tokenizer: Any, start_fake: Any
+) -> None:
+    """Two proxies, one per "node"; the link sends each server's calls to its own, marks a
+    proxy that stopped answering down (its calls then take verl's path) and closes each
+    trajectory on the proxy its calls went through."""
+    from trace_proxy.integrations.verl.link import Route
+
+    fakes = [FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True) for _ in range(2)]
+    servers = [(await start_fake(fake)).removeprefix("http://") for fake in fakes]
+    options = {"register_upstreams": True, "admin_token": TOKEN}
+    async with (
+        running_proxy([], tmp_path / "a", **options) as (a, proxy_a),
+        running_proxy([], tmp_path / "b", **options) as (b, proxy_b),
+    ):
+        admins = [s.addresses.admin for s in (a, b)]  # type: ignore[union-attr]
+        routes = {servers[0]: Route(proxy_a, admins[0]), servers[1]: Route(proxy_b, admins[1])}
+        link = pickle.loads(pickle.dumps(ProxyLink(None, None, TOKEN, LIMITS, routes=routes)))
+        assert link.route("127.0.0.1:1") is None  # no proxy known: verl's path
+        prompt = qwen_tokenizer.encode("Say hi")
+        for n, server in enumerate(servers):
+            await link.generate(server, _tags(f"t{n}", n), prompt, dict(SAMPLING),
+                                request_id=f"r{n}")  # fmt: skip
+            await link.end_trajectory(_tags(f"t{n}", n), 1.0, [link.route(server).admin_url])
+        await a.flush()
+        await b.flush()
+        dead = Route("http://127.0.0.1:9", "http://127.0.0.1:9")
+        with pytest.raises(ProxyUnreachable):
+            await link.generate(servers[0], _tags("t9"), prompt, dict(SAMPLING),
+                                request_id="r9", route=dead)  # fmt: skip
+        link.mark_down(ProxyUnreachable("gone"), dead)
+        assert not link.usable(dead) and link.usable(link.route(servers[0]))
+        assert link.fallbacks["proxy_unreachable"] == 1
+        assert link._session is not None
+        await link._session.close()
+    for output, server in zip(("a", "b"), servers, strict=True):
+        [record] = trajectories(tmp_path / output)
+        assert record["close_reason"] == "done" and record["reward"] == 1.0
+        assert record["calls"][0]["upstream"] == f"http://{server}"

@@ -10,7 +10,13 @@ import sys
 from collections.abc import Coroutine, Sequence
 from typing import Any, NoReturn
 
-from trace_proxy.config import ConfigError, Settings, add_options, resolve
+from trace_proxy.config import (
+    ConfigError,
+    Settings,
+    add_options,
+    resolve,
+    values_may_start_with_dash,
+)
 from trace_proxy.logtext import configure_logging
 
 EXIT_USAGE = 2
@@ -68,7 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = vars(parser.parse_args(argv))
+    args = vars(
+        parser.parse_args(values_may_start_with_dash(sys.argv[1:] if argv is None else argv))
+    )
     command = args.pop("command")
     if command == "ui":
         from trace_proxy.ui.command import run_ui_command

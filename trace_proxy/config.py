@@ -444,6 +444,27 @@ class Settings:
     log_level: str = "INFO"
 
 
+def values_may_start_with_dash(argv: Sequence[str]) -> list[str]:
+    """`--option VALUE` as `--option=VALUE` where VALUE begins with `-` (a token from
+    `secrets.token_urlsafe` may), which argparse would take for another option."""
+    takes_value = {opt.flag for opt in OPTIONS if not opt.switch} | {"--config"}
+    known = {opt.flag for opt in OPTIONS} | {"--config", "-h", "--help"}
+    joined: list[str] = []
+    items = iter(argv)
+    for item in items:
+        if item in takes_value:
+            value = next(items, None)
+            if value is None:
+                joined.append(item)
+            elif value.startswith("-") and value not in known:
+                joined.append(f"{item}={value}")
+            else:
+                joined += [item, value]
+            continue
+        joined.append(item)
+    return joined
+
+
 def add_options(parser: argparse.ArgumentParser, command: str) -> None:
     """Register every option of `command` on an argparse parser (defaults resolved later)."""
     for opt in OPTIONS:

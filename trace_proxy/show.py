@@ -3,7 +3,9 @@
 One header line per trajectory (its key, status, size, duration), then one line per call: what
 was asked (the newest message, or decoded prompt text) and what came back (text, tool calls).
 Several stores (one per replica, each sidecar writing its own) read as one: the records of the
-same project and experiment are shown together, ordered by step and sample across the stores.
+same project and experiment are shown together, ordered by step and sample across the stores,
+and each step's summaries add up to one. An output whose proxies wrote replica directories
+(`<output>/replicas/*`, see replicas.py) is such a set of stores.
 
 Nearly every string of a record came from a request or a response (names, ids, models, routes,
 tool calls, error messages, labels), so every line goes through `printable` on its way out:
@@ -20,6 +22,7 @@ from typing import Any, TextIO
 import orjson
 
 from trace_proxy.logtext import printable
+from trace_proxy.replicas import merged_summary, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
 
 
@@ -57,6 +60,7 @@ def show(
             print(f"trace-proxy: error: {printable(str(root))} is not a directory",
                   file=sys.stderr)  # fmt: skip
             return 1
+    shown_roots, roots = roots, [store for root in roots for store in store_roots(root)]
 
     def write(line: str) -> None:
         stream.write(printable(line) + "\n")
@@ -96,7 +100,8 @@ def show(
                 for tool in tools_after.get(call.get("index"), []):
                     write(_tool_line(tool, width))
             shown += 1
-    write(f"{shown} trajectories, {events} step events under {', '.join(map(str, roots))}")
+    write(f"{shown} trajectories, {events} step events under "
+          f"{', '.join(map(str, shown_roots))}")  # fmt: skip
     return 0
 
 
@@ -112,7 +117,21 @@ def _by_experiment(roots: Sequence[Path]) -> Iterator[list[dict[str, Any]]]:
         for directory in groups[relative]:
             group.extend(record for _, record in _records_in(directory))
         if group:
-            yield group
+            yield _one_summary_per_step(group)
+
+
+def _one_summary_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each step's summaries from several stores (replicas) as one, their counts added up."""
+    steps: dict[tuple[Any, bool], list[dict[str, Any]]] = {}
+    others = []
+    for record in records:
+        if record.get("record") == "step_summary":
+            key = (record.get("step"), bool(record.get("validate")))
+            steps.setdefault(key, []).append(record)
+        else:
+            others.append(record)
+    merged = [merged_summary(summaries) for summaries in steps.values()]
+    return others + [summary for summary in merged if summary is not None]
 
 
 def _records_in(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:

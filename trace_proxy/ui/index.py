@@ -30,6 +30,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from trace_proxy.exporters.jsonl import NAME_FILE
+from trace_proxy.replicas import merged_summary, store_roots
 from trace_proxy.storenames import decode_name
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
@@ -122,7 +123,12 @@ StepKey = tuple[bool, int | None]  # (validate, step)
 class Step:
     entries: list[Entry] = field(default_factory=list)
     stats: StepStats = field(default_factory=StepStats)
-    summary: dict[str, Any] | None = None  # its step_summary record
+    summaries: dict[Path, dict[str, Any]] = field(default_factory=dict)  # by directory
+
+    @property
+    def summary(self) -> dict[str, Any] | None:
+        """Its step_summary record; the sum of its replicas' when several wrote one."""
+        return merged_summary(self.summaries.values())
 
 
 @dataclass
@@ -135,12 +141,12 @@ class FileState:
 
 @dataclass
 class Run:
-    """One project/experiment directory of one store."""
+    """One project/experiment of one store: a directory, or one in each of its replicas."""
 
     store: int
     project_dir: str
     experiment_dir: str
-    path: Path
+    paths: list[Path]
     project: str
     experiment: str
     files: dict[str, FileState] = field(default_factory=dict)
@@ -203,19 +209,25 @@ class StoreIndex:
                 return self.generation
             self._refreshed = now
             for number, root in enumerate(self.stores):
-                for project_dir, experiment_dir, path in _run_directories(root):
-                    ref = (number, project_dir, experiment_dir)
-                    run = self.runs.get(ref)
-                    if run is None:
-                        run = self.runs[ref] = Run(
-                            number, project_dir, experiment_dir, path,
-                            _dir_value(root / project_dir), _dir_value(path),
-                        )  # fmt: skip
-                    self._refresh_run(run)
+                for replica in store_roots(root):
+                    for project_dir, experiment_dir, path in _run_directories(replica):
+                        ref = (number, project_dir, experiment_dir)
+                        run = self.runs.get(ref)
+                        if run is None:
+                            run = self.runs[ref] = Run(
+                                number, project_dir, experiment_dir, [],
+                                _dir_value(replica / project_dir), _dir_value(path),
+                            )  # fmt: skip
+                        if path not in run.paths:
+                            run.paths.append(path)
+            for run in self.runs.values():
+                self._refresh_run(run)
             return self.generation
 
     def _refresh_run(self, run: Run) -> None:
-        for name, info in _jsonl_files(run.path):
+        found = [(d / n, info) for d in run.paths for n, info in _jsonl_files(d)]
+        for file, info in found:
+            name = str(file)
             state = run.files.get(name)
             identity = (info.st_dev, info.st_ino)
             moved = state is not None and state.device_inode != identity
@@ -225,7 +237,7 @@ class StoreIndex:
                 self._refresh_run(run)
                 return
             if state is None:
-                state = run.files[name] = FileState(run.path / name, len(self.files), identity)
+                state = run.files[name] = FileState(Path(name), len(self.files), identity)
                 self.files.append(state.path)
             if info.st_size > state.offset:
                 self._read_new(run, state, name)
@@ -278,7 +290,7 @@ class StoreIndex:
             _apply_note(run, record)
         elif kind == "step_summary":
             key = (bool(record.get("validate")), _int_or_none(record.get("step")))
-            run.steps.setdefault(key, Step()).summary = record
+            run.steps.setdefault(key, Step()).summaries[state.path.parent] = record
         elif kind == "event":
             run.events.append({k: record.get(k) for k in ("event", "time", "weight_version",
                                                           "http_status", "route")})  # fmt: skip

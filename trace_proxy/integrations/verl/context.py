@@ -7,7 +7,7 @@ loop starts, so each generate call sees the run it belongs to.
 from __future__ import annotations
 
 from contextvars import ContextVar
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trace_proxy.integrations.verl.link import TrajectoryTags
 
@@ -17,6 +17,7 @@ class RunState:
     tags: TrajectoryTags
     reward: float | None = None
     generates: int = 0
+    admin_urls: set[str] = field(default_factory=set)  # the proxies its calls went through
 
 
 CURRENT_RUN: ContextVar[RunState | None] = ContextVar("trace_proxy_verl_run", default=None)

@@ -1,10 +1,11 @@
-"""A trace-proxy the plugin runs itself: started with the trainer's agent-loop manager,
-stopped (draining what it holds) when the trainer's process ends.
+"""Starting and stopping a `trace-proxy serve` the plugin runs itself, and checking one it
+is given.
 
-It runs where verl builds the manager (the driver, or verl's TaskRunner actor), with this
-interpreter, on loopback ports the kernel picks, and accepts upstreams registered with a
-token made for this run. Its records go to the embedded jsonl store (`trace_proxy.output`,
-default `traces`) and to the backends asked for.
+A proxy the plugin runs (one per node that hosts a rollout server, see fleet.py) is this
+interpreter's `trace-proxy serve`, on ports the kernel picks (the same ones again when it is
+restarted), accepting upstreams registered with a token made for the run, which it gets in its
+environment, never on its command line. It ends with the process that started it (SIGTERM,
+so it drains and writes every record first).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import json
 import os
 import re
 import secrets
@@ -60,11 +62,20 @@ def _end_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
-def launch(args: list[str], timeout: float) -> LaunchedProxy:
-    """Start `trace-proxy serve` and wait until /ready; ProxyStartError with its output if not."""
-    token = secrets.token_urlsafe(32)
+def make_token() -> str:
+    """A run's admin token (URL-safe; it may begin with `-`, so it never goes on a command
+    line as an option's value: the proxy takes it from its environment)."""
+    return secrets.token_urlsafe(32)
+
+
+def launch(
+    args: list[str], timeout: float, token: str | None = None, ports: tuple[int, int] = (0, 0)
+) -> LaunchedProxy:
+    """Start `trace-proxy serve` and wait until /ready; ProxyStartError with its output if not.
+    `ports`: the proxy's and the admin port (0: any free one)."""
+    token = token or make_token()
     command = [sys.executable, "-m", "trace_proxy", "serve", "--register-upstreams",
-               "--port", "0", "--admin-port", "0", *args]  # fmt: skip
+               "--port", str(ports[0]), "--admin-port", str(ports[1]), *args]  # fmt: skip
     process = subprocess.Popen(
         command,
         stdin=subprocess.DEVNULL,
@@ -109,6 +120,27 @@ def launch(args: list[str], timeout: float) -> LaunchedProxy:
         raise ProxyStartError(f"trace-proxy did not start ({' '.join(command[:4])} ...):\n{output}")
     atexit.register(launched.stop)
     return launched
+
+
+def register_servers(admin_url: str, token: str | None, server_ids: list[str]) -> None:
+    """verl's servers, registered on a proxy under their own ids (their `ip:port`)."""
+    for server_id in server_ids:
+        request = urllib.request.Request(
+            f"{admin_url}/upstreams/{server_id}",
+            data=json.dumps({"url": f"http://{server_id}"}).encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {token}"},
+            method="PUT",
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10):
+                pass
+        except urllib.error.HTTPError as exc:
+            raise ProxyStartError(
+                f"trace-proxy refused to register verl's server {server_id}: "
+                f"{exc.code} {exc.read()[:500]!r}"
+            ) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ProxyStartError(f"trace-proxy at {admin_url}: {exc}") from None
 
 
 def ready(admin_url: str) -> bool:

@@ -1,29 +1,26 @@
 """Builds verl's own agent-loop manager with the tracing worker and transport in place.
 
 verl loads `trace_proxy.integrations.verl.AgentLoopManager` by its path and calls `create`
-with the arguments its trainer always passes; this module checks the verl version, starts (or
-finds) the proxy, registers verl's servers with it, puts the HTTP hop into verl's LLM client,
-and returns verl's v1 (`AgentLoopManagerTQ`) or legacy (`AgentLoopManager`) manager, whose
-workers are verl's own with the tracing mixin on top.
+with the arguments its trainer always passes; this module checks the verl version, starts a
+proxy beside each rollout server (fleet.py; or finds the one given by URL), registers verl's
+servers with it, puts the HTTP hop into verl's LLM client, and returns verl's v1
+(`AgentLoopManagerTQ`) or legacy (`AgentLoopManager`) manager, whose workers are verl's own
+with the tracing mixin on top, and whose `generate_sequences` first chooses the step's kept
+samples for every proxy (sampling.py).
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
 import sys
-import urllib.error
-import urllib.request
 from typing import Any
 
-from trace_proxy.integrations.verl.launcher import (
-    LaunchedProxy,
-    ProxyStartError,
-    check_running,
-    launch,
-)
+from trace_proxy.integrations.verl.fleet import ProxyFleet
+from trace_proxy.integrations.verl.launcher import check_running, register_servers
 from trace_proxy.integrations.verl.link import ProxyLink
 from trace_proxy.integrations.verl.mapping import ServerLimits
+from trace_proxy.integrations.verl.sampling import StepChooser, StepDecider
 from trace_proxy.integrations.verl.settings import PluginSettings, read_settings
 from trace_proxy.integrations.verl.transport import install
 from trace_proxy.integrations.verl.worker import traced_worker_class
@@ -95,57 +92,64 @@ def _variant(settings: PluginSettings, config: Any) -> str:
     return "v1" if use_v1 else "legacy"
 
 
-def _connect(settings: PluginSettings) -> tuple[str, str, str | None, LaunchedProxy | None]:
+def _connect(settings: PluginSettings, llm_client: Any, limits: ServerLimits) -> ProxyLink:
+    """The running proxy given by URL (a sidecar), with verl's servers registered; else a
+    proxy started beside each rollout server (the link then routes each server to its own)."""
     if settings.url is not None:
+        import ray
+
         assert settings.admin_url is not None
         check_running(settings.url, settings.admin_url, settings.admin_token)
-        return settings.url, settings.admin_url, settings.admin_token, None
-    launched = launch(settings.proxy_args, settings.start_timeout)
-    return launched.proxy_url, launched.admin_url, launched.admin_token, launched
+        balancer = getattr(llm_client, "_load_balancer", None)
+        if balancer is not None:
+            servers = list(ray.get(balancer.get_all_servers.remote()))
+            register_servers(settings.admin_url, settings.admin_token, servers)
+        return ProxyLink(settings.url, settings.admin_url, settings.admin_token, limits)
+    args = [*settings.proxy_args, *(["--host", settings.host] if settings.host else [])]
+    fleet = ProxyFleet.start(llm_client, args, settings.output, settings.start_timeout)
+    link = ProxyLink(None, None, fleet.admin_token, limits, routes=dict(fleet.routes))
+    link.fleet = fleet  # type: ignore[attr-defined]  # not pickled: the manager's alone
+    return link
 
 
-def _register_all(link: ProxyLink, llm_client: Any) -> list[str]:
-    """verl's servers, registered before any rollout (a server added later is registered by
-    the worker that first gets it from verl's load balancer)."""
+def _decider(settings: PluginSettings, link: ProxyLink) -> StepDecider:
+    """Who chooses each step's samples, with the sampling options the proxies were given."""
+    from trace_proxy.cli import build_parser
+    from trace_proxy.config import resolve, values_may_start_with_dash
+
+    argv = values_may_start_with_dash(["serve", *settings.proxy_args])
+    parsed = vars(build_parser().parse_args(argv))
+    parsed.pop("command", None)
+    proxy = resolve("serve", parsed)
+    chooser = StepChooser(proxy.sample_seed, settings.experiment, proxy.max_samples_per_step,
+                          proxy.validate_max_samples_per_step)  # fmt: skip
+    admin_urls = sorted({r.admin_url for r in link.routes.values()} | (
+        {link.admin_url} if link.admin_url else set()))  # fmt: skip
+    return StepDecider(chooser, admin_urls, link.admin_token)
+
+
+def _manager_class(variant: str, settings: PluginSettings, decider: StepDecider) -> Any:
     import ray
-
-    balancer = getattr(llm_client, "_load_balancer", None)
-    if balancer is None:
-        return []
-    servers: list[str] = list(ray.get(balancer.get_all_servers.remote()))
-    for server_id in servers:
-        request = urllib.request.Request(
-            f"{link.admin_url}/upstreams/{server_id}",
-            data=json.dumps({"url": f"http://{server_id}"}).encode(),
-            headers={
-                "Content-Type": "application/json",
-                "Authorization": f"Bearer {link.admin_token}",
-            },
-            method="PUT",
-        )
-        try:
-            with urllib.request.urlopen(request, timeout=10):
-                pass
-        except urllib.error.HTTPError as exc:
-            raise ProxyStartError(
-                f"trace-proxy refused to register verl's server {server_id}: "
-                f"{exc.code} {exc.read()[:500]!r}"
-            ) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise ProxyStartError(f"trace-proxy at {link.admin_url}: {exc}") from None
-    return servers
-
-
-def _manager_class(variant: str, settings: PluginSettings) -> Any:
-    import ray
+    from verl.utils.ray_utils import auto_await
 
     names = (settings.project, settings.experiment)
     if variant == "legacy":
         from verl.experimental.agent_loop import AgentLoopManager, AgentLoopWorker
 
         worker = ray.remote(traced_worker_class(AgentLoopWorker, *names))
+
+        @auto_await  # type: ignore[untyped-decorator]  # as verl's: awaited, or run through
+        async def generate_sequences(self: Any, prompts: Any) -> Any:
+            meta, rows = prompts.meta_info, prompts.non_tensor_batch
+            index = rows.get("index")
+            await asyncio.to_thread(decider.decide, meta.get("global_steps"),
+                                    meta.get("validate", False), index)  # fmt: skip
+            return await AgentLoopManager.generate_sequences(self, prompts)
+
         return type(
-            "TracedAgentLoopManager", (AgentLoopManager,), {"agent_loop_workers_class": worker}
+            "TracedAgentLoopManager",
+            (AgentLoopManager,),
+            {"agent_loop_workers_class": worker, "generate_sequences": generate_sequences},
         )
     from verl.trainer.ppo.v1.agent_loop_tq import AgentLoopManagerTQ, AgentLoopWorkerTQ
 
@@ -155,7 +159,25 @@ def _manager_class(variant: str, settings: PluginSettings) -> Any:
         AgentLoopManagerTQ.__init__(self, *args, **kwargs)
         self.agent_loop_workers_class = worker_tq  # verl's __init__ sets its own
 
-    return type("TracedAgentLoopManagerTQ", (AgentLoopManagerTQ,), {"__init__": __init__})
+    def generate_sequences_tq(self: Any, prompts: Any) -> None:
+        keys = prompts.keys()
+        validate = _data(prompts["validate"]) if "validate" in keys else False
+        index = _data(prompts["index"]) if "index" in keys else None
+        decider.decide(_data(prompts["global_steps"]) if "global_steps" in keys else None,
+                       bool(validate), None if index is None else list(index))  # fmt: skip
+        AgentLoopManagerTQ.generate_sequences(self, prompts)
+
+    return type(
+        "TracedAgentLoopManagerTQ",
+        (AgentLoopManagerTQ,),
+        {"__init__": __init__, "generate_sequences": generate_sequences_tq},
+    )
+
+
+def _data(value: Any) -> Any:
+    """A TensorDict entry's value (NonTensorData, NonTensorStack, a tensor) as plain Python."""
+    value = getattr(value, "data", value)
+    return value.tolist() if hasattr(value, "tolist") else value
 
 
 def create(
@@ -170,12 +192,11 @@ def create(
     settings = read_settings(config)
     variant = _variant(settings, config)
     limits = server_limits(config)
-    proxy_url, admin_url, token, launched = _connect(settings)
+    link = _connect(settings, llm_client, limits)
+    fleet: ProxyFleet | None = getattr(link, "fleet", None)
     try:
-        link = ProxyLink(proxy_url, admin_url, token, limits)
-        servers = _register_all(link, llm_client)
         install(llm_client, link)
-        manager_cls = _manager_class(variant, settings)
+        manager_cls = _manager_class(variant, settings, _decider(settings, link))
         manager = manager_cls.create(
             config=config,
             llm_client=llm_client,
@@ -184,15 +205,11 @@ def create(
             **kwargs,
         )
     except BaseException:
-        if launched is not None:
-            launched.stop()
+        if fleet is not None:
+            fleet.stop()
         raise
-    manager._trace_proxy = launched  # stopped with the process (atexit), drained first
-    log.warning(
-        "trace-proxy: verl %s %s agent loop traced through %s (%d servers registered)",
-        version,
-        variant,
-        proxy_url,
-        len(servers),
-    )
+    manager._trace_proxy = fleet  # stopped with the process (atexit), each drained first
+    where = link.proxy_url or f"{len(fleet.actors) if fleet else 0} node proxies"
+    log.warning("trace-proxy: verl %s %s agent loop traced through %s (%d servers)", version,
+                variant, where, len(link.routes) or 1)  # fmt: skip
     return manager

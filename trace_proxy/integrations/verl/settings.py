@@ -1,10 +1,12 @@
 """What the plugin reads from verl's config: `trace_proxy.*` keys and verl's own trace block.
 
 verl's `actor_rollout_ref.rollout.trace.*` keeps its meaning: `backend` (mlflow, weave,
-trackio), `token2text` (decoded with the model's tokenizer), `project_name`,
-`experiment_name`, and `max_samples_per_step_per_worker` (N samples per agent-loop worker and
-step: the proxy keeps N x `agent.num_workers` samples of each step, whole GRPO groups). A
-`trace_proxy.*` key, when given, wins over verl's. Pure: reads a mapping, imports no verl.
+trackio), `token2text`, `project_name`, `experiment_name`, and
+`max_samples_per_step_per_worker` (N samples per agent-loop worker and step: N x
+`agent.num_workers` samples of each step are kept, whole GRPO groups, chosen once for the
+whole step). A `trace_proxy.*` key, when given, wins over verl's. Text is decoded (token2text:
+readable calls, and tool calls parsed into tool spans) whenever the model's tokenizer is a
+local directory, unless `token2text` says false. Pure: reads a mapping, imports no verl.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ TOKEN_ENV = "TRACE_PROXY_ADMIN_TOKEN"
 # Keys of `trace_proxy.*` with the proxy option each sets, for a proxy the plugin starts.
 PROXY_OPTIONS = {
     "backend": "--backend",
-    "output": "--output",
     "max_samples_per_step": "--max-samples-per-step",
     "sample_rate": "--sample-rate",
     "validate_max_samples_per_step": "--validate-max-samples-per-step",
@@ -31,11 +32,11 @@ PROXY_OPTIONS = {
     "otlp_endpoint": "--otlp-endpoint",
     "tool_parser": "--tool-parser",
     "log_level": "--log-level",
-    "host": "--host",
 }
 PLUGIN_KEYS = frozenset(
-    {"url", "admin_url", "manager", "token2text", "tokenizer", "start_timeout", "args"}
-)
+    {"url", "admin_url", "manager", "token2text", "tokenizer", "start_timeout", "args",
+     "output", "host"}
+)  # fmt: skip
 VERL_BACKENDS = {"mlflow": "mlflow", "weave": "weave", "trackio": "trackio"}
 
 
@@ -54,7 +55,9 @@ class PluginSettings:
     admin_token: str | None = None
     manager: str = "auto"  # auto (verl's trainer.use_v1) | v1 | legacy
     start_timeout: float = 120.0
-    proxy_args: list[str] = field(default_factory=list)
+    proxy_args: list[str] = field(default_factory=list)  # all but --output and --host
+    output: str = "traces"  # each node's proxy writes <output>/replicas/<node>
+    host: str | None = None  # where the proxies listen; None: where verl's servers do
 
 
 def _get(config: Any, dotted: str, default: Any = None) -> Any:
@@ -113,10 +116,10 @@ def read_settings(config: Any) -> PluginSettings:
             continue
         values = list(value) if isinstance(value, (list, tuple)) or _is_sequence(value) else [value]
         args += [part for item in values for part in (flag, str(item))]
-    token2text = ours.get("token2text", trace.get("token2text", False))
-    if _flag(token2text):
+    tokenizer = ours.get("tokenizer") or _local_tokenizer(config)
+    token2text = ours.get("token2text", trace.get("token2text"))
+    if _flag(token2text) if token2text is not None else bool(tokenizer):
         args.append("--token2text")
-        tokenizer = ours.get("tokenizer") or _local_tokenizer(config)
         if tokenizer:
             args += ["--tokenizer", str(tokenizer)]
     extra = ours.get("args") or []
@@ -137,6 +140,8 @@ def read_settings(config: Any) -> PluginSettings:
         manager=manager,
         start_timeout=float(ours.get("start_timeout", 120.0)),
         proxy_args=args,
+        output=str(ours.get("output") or "traces"),
+        host=str(ours["host"]) if ours.get("host") else None,
     )
 
 

@@ -6,8 +6,9 @@ load balancer still picks the server (`_acquire_server`, sticky per request id, 
 loaded) and is told when the call ends (`_release_server`). Only the hop changes: instead of
 a Ray call to the server actor, an HTTP request through the proxy to that server's own HTTP
 address. What verl gets back is what its server's `generate` returns (see mapping.py), with
-`global_steps` read from the server actor as its own path reads it. Inputs HTTP cannot carry,
-and calls made while the proxy cannot be reached, take verl's own path (counted, logged once).
+`global_steps` read from the server actor as its own path reads it, once per server and step
+(not with a second Ray call per generate). Inputs HTTP cannot carry, and calls made while the
+proxy cannot be reached, take verl's own path (counted, logged once).
 """
 
 from __future__ import annotations
@@ -74,8 +75,6 @@ class TracedGenerate:
         why = why or self._http_unsupported(
             image_data, video_data, audio_data, mm_processor_kwargs, sampling_params, kwargs
         )
-        if why is None and not link.usable:
-            why = "proxy_unreachable"
         if why is None:
             assert run is not None
             output = await self._through_proxy(request_id, prompt_ids, sampling_params, run, kwargs)
@@ -93,6 +92,18 @@ class TracedGenerate:
             mm_processor_kwargs=mm_processor_kwargs,
             **kwargs,
         )
+
+    async def _global_steps(self, server_id: str, server: Any, step: int) -> Any:
+        """The server's `global_steps`, as verl's own path returns it with every generate:
+        read from the server actor once per server and trainer step (it changes when the
+        trainer moves to the next step), not with a Ray call per generate."""
+        known: dict[str, tuple[int, Any]] = self.__dict__.setdefault("_trace_proxy_steps", {})
+        cached = known.get(server_id)
+        if cached is not None and cached[0] == step:
+            return cached[1]
+        value = await server.__ray_call__.remote(_read_global_steps)
+        known[server_id] = (step, value)
+        return value
 
     async def _through_proxy(
         self,
@@ -112,6 +123,10 @@ class TracedGenerate:
             request_id, prompt_ids=prompt_ids, sampling_params=sampling_params, **kwargs
         )
         try:
+            route = link.route(server_id)
+            if route is None or not link.usable(route):
+                link.fell_back("no_proxy_for_server" if route is None else "proxy_unreachable")
+                return None
             priority = int(kwargs.get("priority", 0) or 0)
             if self.config.actor_rollout_ref.rollout.name != "vllm":  # type: ignore[attr-defined]
                 priority = 0
@@ -123,15 +138,17 @@ class TracedGenerate:
                     dict(sampling_params),
                     request_id=self._vllm_request_id(request_id),  # type: ignore[attr-defined]
                     priority=priority,
+                    route=route,
                 )
             except ProxyUnreachable as exc:
-                link.mark_down(exc)
+                link.mark_down(exc, route)
                 return None
             except ServerUnreachable as exc:
                 link.fell_back("server_unreachable_over_http", str(exc))
                 return None
             run.generates += 1
-            global_steps = await server.__ray_call__.remote(_read_global_steps)
+            run.admin_urls.add(route.admin_url)
+            global_steps = await self._global_steps(server_id, server, run.tags.step)
         finally:
             self._release_server(server_id, request_id=request_id)  # type: ignore[attr-defined]
         extra_fields: dict[str, Any] = {"global_steps": global_steps}

@@ -66,7 +66,7 @@ class TracedWorkerMixin:
         finally:
             CURRENT_RUN.reset(token)
             if run.generates:
-                await self._trace_proxy.end_trajectory(tags, run.reward)
+                await self._trace_proxy.end_trajectory(tags, run.reward, run.admin_urls)
 
     async def _compute_score(self, outputs: list[Any], kwargs: dict[str, Any]) -> None:
         await super()._compute_score(outputs, kwargs=kwargs)  # type: ignore[misc]
