@@ -3,25 +3,30 @@ verl's Ray call to its server actor.
 
 Runs in a verl venv (verl 0.9.1, Ray) with this checkout on PYTHONPATH:
 
-    PYTHONPATH=. VERL_PYTHON benchmarks/verl_hop.py [--calls 400] [--concurrency 1,32]
+    PYTHONPATH=. VERL_PYTHON benchmarks/verl_hop.py [--calls 2048] [--concurrency 1,64,256]
 
 Both paths use verl's real LLM client and load balancer (`LLMServerClient`,
 `get_router_handle`), against one server actor that answers at once, so what is measured is
 the client-side path alone: verl's own (acquire, Ray call to the actor's `generate`, release)
-and the plugin's (acquire, HTTP POST through a trace-proxy started as the plugin starts it,
-recording every call to jsonl, to the same actor's HTTP port, the Ray call reading
-`global_steps`, release). The upstream answers /v1/completions with a fixed body of 16 token
-ids and log probs; the actor's `generate` returns the same tokens as verl's TokenOutput.
+and the plugin's (acquire, HTTP POST through the node's trace-proxy, started by the plugin's
+own `ProxyFleet` as a Ray actor, recording every call to jsonl, to the same actor's HTTP port;
+`global_steps` read once per step; release). The upstream answers /v1/completions with a fixed
+body of 16 token ids and log probs; the actor's `generate` returns the same tokens as verl's
+TokenOutput. As on a GPU node, the proxy (and its helper processes) has a core of its own
+(`--pin`, the default): everything else, this process and Ray's, runs on core 0, the proxy on
+core 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -110,16 +115,34 @@ async def measure(paths: dict[str, Any], calls: int, concurrencies: list[int]) -
             await link._session.close()
 
 
+def pin_tree(pid: int, core: int) -> list[int]:
+    """`pid` and every process below it, each thread, onto `core`; returns the pids."""
+    tree, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        tree.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            children = (task / "children").read_text().split()
+            pending += [int(child) for child in children]
+        for task in Path(f"/proc/{current}/task").iterdir():
+            os.sched_setaffinity(int(task.name), {core})
+    return tree
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=400)
-    parser.add_argument("--concurrency", default="1,32")
+    parser.add_argument("--calls", type=int, default=2048)
+    parser.add_argument("--concurrency", default="1,64,256")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="the proxy on core 1, everything else on core 0")  # fmt: skip
     args = parser.parse_args()
+    if args.pin:
+        os.sched_setaffinity(0, {0})  # Ray's processes, started from here, inherit it
     from omegaconf import OmegaConf
     from verl.workers.rollout.llm_server import LLMServerClient
     from verl.workers.rollout.router import get_router_handle
 
-    from trace_proxy.integrations.verl.launcher import launch
+    from trace_proxy.integrations.verl.fleet import ProxyFleet
     from trace_proxy.integrations.verl.link import ProxyLink
     from trace_proxy.integrations.verl.mapping import ServerLimits
     from trace_proxy.integrations.verl.transport import install
@@ -135,15 +158,19 @@ def main() -> int:
                                  full_determinism=False, load_balancer_cls=None)  # fmt: skip
     own = LLMServerClient(config=config, load_balancer_handle=balancer)
     with tempfile.TemporaryDirectory() as store:
-        proxy = launch(["--output", store], timeout=300)
-        traced = install(LLMServerClient(config=config, load_balancer_handle=balancer),
-                         ProxyLink(proxy.proxy_url, proxy.admin_url, proxy.admin_token,
-                                   ServerLimits("vllm", 1024, 16, 4096)))  # fmt: skip
+        traced = LLMServerClient(config=config, load_balancer_handle=balancer)
+        fleet = ProxyFleet.start(traced, [], store, timeout=300)
+        [actor] = fleet.actors.values()
+        if args.pin:
+            pinned = pin_tree(ray.get(actor.status.remote())["pid"], 1)
+            print(f"proxy processes {pinned} on core 1; the rest on core 0", flush=True)
+        limits = ServerLimits("vllm", 1024, 16, 4096)
+        install(traced, ProxyLink(None, None, fleet.admin_token, limits, routes=fleet.routes))
         print("| concurrency | path | p50 ms | p99 ms |\n|---|---|---|---|")
         paths = {"verl (Ray call)": own, "plugin (HTTP via trace-proxy)": traced}
         asyncio.run(measure(paths, args.calls, [int(c) for c in args.concurrency.split(",")]))
         assert not traced._trace_proxy_link.fallbacks, traced._trace_proxy_link.fallbacks
-        proxy.stop()
+        fleet.stop()
     ray.shutdown()
     return 0
 

@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
 from real.servers import RealServers, real_servers
-from real.verl_run import VERL_RUN
+from real.verl_run import CLUSTER_RUN, VERL_RUN
 
 from trace_proxy.demo.tokenizer import load_qwen_tokenizer
 
@@ -71,10 +71,12 @@ def _real_servers(
         return tmp_path_factory.mktemp("real-servers")
 
     with real_servers(request.session.items, make_work_dir) as servers:
+        CLUSTER_RUN.start_if_selected(request.session.items, tmp_path_factory.mktemp("cluster"))
         try:
             yield servers
         finally:
             VERL_RUN.stop()
+            CLUSTER_RUN.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,5 @@
-"""verl's CPU run (`verl_harness/run.py`, in verl's venv) as a process of the test session.
+"""verl's CPU runs (`verl_harness/run.py`, `verl_harness/cluster.py`, in verl's venv) as processes
+of the test session.
 
 It takes about two minutes, most of it Ray and verl's workers starting. Its results depend on
 nothing but the real vLLM server, and other tests sending to that server at the same time could
@@ -24,6 +25,7 @@ from .servers import REAL_TESTS_DIR, RealServer
 
 REPO = REAL_TESTS_DIR.parent.parent
 VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
+CLUSTER_TESTS = REAL_TESTS_DIR / "test_verl_cluster.py"
 RUN_TIMEOUT_S = 1500.0
 STOP_GRACE_S = 10.0
 
@@ -55,26 +57,33 @@ class VerlRun:
         """verl's tests last; the run to start with the first test after the last other one
         that uses the real vLLM server (None: no test comes between, verl's fixture starts it)."""
         verl = [item for item in items if is_verl_test(item)]
-        items[:] = [item for item in items if not is_verl_test(item)] + verl
+        cluster = [item for item in items if is_cluster_test(item)]
+        items[:] = [i for i in items if not is_verl_test(i) and not is_cluster_test(i)]
+        items += verl + cluster
         if not any(item.get_closest_marker("skip") is None for item in verl):
             return
         last = max((i for i, item in enumerate(items) if uses_real_vllm(item)), default=-1)
         following = next(item for item in items[last + 1 :] if not item.get_closest_marker("skip"))
-        self.start_with = None if is_verl_test(following) else following
+        self.start_with = (
+            None if is_verl_test(following) or is_cluster_test(following) else following
+        )
 
     def start(self, vllm: RealServer, work: Path) -> None:
-        self.work = work
         (work / "vllm-url").write_text(vllm.base_url)
         provisioned = provision()
+        self._launch(["verl_harness.run", vllm.base_url, str(vllm.model_dir), str(work)], work,
+                     provisioned.verl_python)  # fmt: skip
+
+    def _launch(self, arguments: list[str], work: Path, python: Path, nice: int = 0) -> None:
+        self.work = work
         env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REAL_TESTS_DIR}",
                "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}  # fmt: skip
-        command = [str(provisioned.verl_python), "-m", "verl_harness.run", vllm.base_url,
-                   str(vllm.model_dir), str(work)]  # fmt: skip
         self._log = (work / "run.log").open("wb")
         self._started_at = time.monotonic()
         self._process = subprocess.Popen(
-            command, stdout=self._log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+            [str(python), "-m", *arguments], stdout=self._log, stderr=subprocess.STDOUT,
+            env=env, start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )  # fmt: skip
 
     def could_not_start(self, why: str) -> None:
         self._failed = why
@@ -116,4 +125,25 @@ class VerlRun:
             self._log = None
 
 
+class ClusterRun(VerlRun):
+    """The cluster run (`verl_harness/cluster.py`): it needs no real server, so it starts with
+    the session's first test, at a lower priority than the tests it overlaps, and its tests
+    run last."""
+
+    def start_if_selected(self, items: list[pytest.Item], work: Path) -> None:
+        if not any(is_cluster_test(i) and not i.get_closest_marker("skip") for i in items):
+            return
+        try:
+            provisioned = provision()
+            self._launch(["verl_harness.cluster", str(provisioned.model_dir), str(work)], work,
+                         provisioned.verl_python, nice=10)  # fmt: skip
+        except Exception as exc:
+            self.could_not_start(repr(exc))
+
+
+def is_cluster_test(item: pytest.Item) -> bool:
+    return item.path.resolve() == CLUSTER_TESTS
+
+
 VERL_RUN = VerlRun()
+CLUSTER_RUN = ClusterRun()

@@ -20,8 +20,9 @@ import ray
 from verl.workers.rollout.replica import TokenOutput
 
 
-@ray.remote
-class CpuVllmServer:
+class VerlServerStandIn:
+    """verl's server actor's `generate`, over a vLLM's HTTP API at `base_url`."""
+
     def __init__(self, base_url: str, rollout: dict[str, Any]) -> None:
         self.base_url = base_url
         self.rollout = rollout
@@ -90,3 +91,6 @@ class CpuVllmServer:
             stop_reason=stop_reason,
             extra_fields=extra_fields,
         )
+
+
+CpuVllmServer = ray.remote(VerlServerStandIn)
