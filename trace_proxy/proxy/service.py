@@ -19,8 +19,9 @@ import ipaddress
 import logging
 import os
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from aiohttp import web
@@ -48,6 +49,7 @@ from trace_proxy.trajectories.sampler import DecisionError, parse_decision
 from trace_proxy.trajectories.token2text import check_configured
 
 log = logging.getLogger(__name__)
+_Parsed = TypeVar("_Parsed")
 # Thousands of rollout workers may connect at once; the kernel caps this at somaxconn.
 LISTEN_BACKLOG = 4096
 
@@ -292,13 +294,7 @@ class ProxyService:
 
     async def _rewards_endpoint(self, request: web.Request) -> web.Response:
         """Attach a reward, score or labels to a trajectory (see trajectories/rewards.py)."""
-        try:
-            outcome = orjson.loads(await request.read())
-            parse_outcome(outcome)  # a clear 400 here; the recorder parses it again
-        except orjson.JSONDecodeError as exc:
-            return web.json_response({"error": f"the body is not JSON: {exc}"}, status=400)
-        except RewardError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+        outcome = await _json_body(request, _checked_outcome, RewardError)
         try:
             where = await self.recorder.annotate(outcome)
         except RuntimeError as exc:  # the capture process is restarting
@@ -308,12 +304,7 @@ class ProxyService:
     async def _sampling_endpoint(self, request: web.Request) -> web.Response:
         """The kept samples of one step, decided by whoever saw its whole batch (verl's
         agent-loop manager): `{"experiment", "step", "validate", "kept": [...]}`."""
-        try:
-            decision = parse_decision(orjson.loads(await request.read()))
-        except orjson.JSONDecodeError as exc:
-            return web.json_response({"error": f"the body is not JSON: {exc}"}, status=400)
-        except DecisionError as exc:
-            return web.json_response({"error": str(exc)}, status=400)
+        decision = await _json_body(request, parse_decision, DecisionError)
         try:
             given = await self.recorder.give_samples(decision)
         except RuntimeError as exc:  # the capture process is restarting
@@ -348,6 +339,26 @@ class ProxyService:
             "backends": self.recorder.backends,
         }
         return web.json_response(status)
+
+
+async def _json_body(
+    request: web.Request, parse: Callable[[Any], _Parsed], error: type[Exception]
+) -> _Parsed:
+    """The request's JSON body, as `parse` reads it; a 400 naming what is wrong if not."""
+    try:
+        return parse(orjson.loads(await request.read()))
+    except orjson.JSONDecodeError as exc:
+        message = f"the body is not JSON: {exc}"
+    except error as exc:
+        message = str(exc)
+    raise web.HTTPBadRequest(text=orjson.dumps({"error": message}).decode(),
+                             content_type="application/json")  # fmt: skip
+
+
+def _checked_outcome(body: Any) -> Any:
+    """The body as sent, once it reads as an outcome (the recorder parses it again)."""
+    parse_outcome(body)
+    return body
 
 
 READ_ONLY_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
