@@ -20,8 +20,6 @@ from typing import Any
 
 import yaml
 
-from trace_proxy.proxy.upstreams import plain_url
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -115,6 +113,29 @@ def parse_host(value: Any) -> str:
             if not re.fullmatch(r"[A-Za-z0-9.-]+", host):
                 raise ValueError(f"{host!r} is not a host name or IP address") from None
     return host
+
+
+# An upstream URL is printable ASCII without spaces, and its path is made of RFC 3986's path
+# characters only: `urlsplit` silently drops CR, LF and tabs, and anything else would reach
+# the upstream's request line as it is.
+_PLAIN_URL = re.compile(r"(https?)://([^/?#]+)((?:/[A-Za-z0-9\-._~!$&'()*+,;=:@%]*)*)")
+
+
+def plain_url(value: str) -> str:
+    """`value` without a trailing slash, when it is an http(s)://host[:port][/path] URL of
+    plain characters (as above); else ValueError, saying what is wrong."""
+    url = value.rstrip("/")
+    if not url.isascii() or not url.isprintable() or " " in url:
+        raise ValueError(
+            f"{value[:200]!r}: an upstream URL is printable ASCII, with no space or control "
+            "character (percent-encode the rest)"
+        )
+    if not _PLAIN_URL.fullmatch(url):
+        raise ValueError(
+            f"{value[:200]!r} is not an http(s)://host[:port][/path] URL whose path holds only "
+            "letters, digits, '%' escapes and -._~!$&'()*+,;=:@/"
+        )
+    return url
 
 
 def parse_upstream(value: Any) -> str:
