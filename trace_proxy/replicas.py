@@ -4,19 +4,20 @@ A proxy per node (verl's plugin) or per pod (sidecars on a shared filesystem) mu
 another's files, so each writes a store of its own, `<output>/replicas/<name>/` (project and
 experiment directories, its spool). `trace-proxy show` and `trace-proxy ui` given `<output>`
 read its replicas as one store: a run's records are the union of its replicas' (a trajectory
-whose calls reached two proxies under one id is one trajectory in two parts), and a step's
-summary is the sum of theirs. `replicas/` is told apart from a project of that name by the
+whose calls reached two proxies under one id is shown as one, `joined`), and a step's summary
+is the sum of theirs. `replicas/` is told apart from a project of that name by the
 name file every project directory holds (`.trace-proxy-name`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from trace_proxy.exporters.jsonl import NAME_FILE
+from trace_proxy.trajectories.prompts import expand_prompts
 from trace_proxy.trajectories.record import StepSummary
 
 REPLICAS = "replicas"
@@ -51,3 +52,51 @@ def merged_summary(summaries: Iterable[dict[str, Any]]) -> dict[str, Any] | None
 
 def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def joined(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One trajectory from the records several proxies wrote of it (a client whose router is
+    not sticky sent its calls to more than one, under one trajectory id): every call with its
+    whole prompt (prefix sharing is per record), in the order the calls started, tool spans
+    pointing at them, times and counts combined, the parts' ids in `parts`."""
+    if len(parts) == 1:
+        return parts[0]
+    ordered = sorted(parts, key=lambda part: _number(part.get("start")))
+    calls: list[dict[str, Any]] = []
+    tools: list[dict[str, Any]] = []
+    for part in ordered:
+        first = len(calls)
+        part_calls = [c for c in part.get("calls") or [] if isinstance(c, dict)]
+        calls += [{**c, "prompt": p} for c, p in zip(part_calls, expand_prompts(part), strict=True)]
+        for tool in part.get("tools") or []:
+            asked = tool.get("requested_by")
+            tools.append(
+                {**tool, "requested_by": asked + first if isinstance(asked, int) else None}
+            )
+    order = sorted(range(len(calls)), key=lambda i: _number(calls[i].get("start")))
+    moved = {old: new for new, old in enumerate(order)}
+    summary: dict[str, Any] = {}
+    for part in ordered:
+        for name, value in (part.get("summary") or {}).items():
+            summary[name] = _count(summary.get(name)) + _count(value)
+    record = dict(ordered[0])
+    record.update(
+        calls=[{**calls[old], "index": new} for new, old in enumerate(order)],
+        tools=sorted(
+            ({**t, "requested_by": moved.get(t["requested_by"])} for t in tools),
+            key=lambda t: _number(t.get("start")),
+        ),
+        start=min(_number(part.get("start")) for part in ordered),
+        end=max(_number(part.get("end")) for part in ordered),
+        status=next((p["status"] for p in ordered if p.get("status") != "ok"), "ok"),
+        summary=summary,
+        transcript=None,  # each part's own; the calls hold the text
+        parts=[part.get("id") for part in ordered],
+    )
+    for name in ("reward", "score"):
+        record[name] = next((p[name] for p in ordered if p.get(name) is not None), None)
+    return record
+
+
+def _number(value: Any) -> float:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else 0.0

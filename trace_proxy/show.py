@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import orjson
 
 from trace_proxy.logtext import printable
-from trace_proxy.replicas import merged_summary, store_roots
+from trace_proxy.replicas import joined, merged_summary, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
 
 
@@ -113,11 +113,29 @@ def _by_experiment(roots: Sequence[Path]) -> Iterator[list[dict[str, Any]]]:
         for directory in sorted({path.parent for path in root.rglob("*.jsonl")}):
             groups.setdefault(directory.relative_to(root), []).append(directory)
     for relative in sorted(groups):
-        group: list[dict[str, Any]] = []
-        for directory in groups[relative]:
-            group.extend(record for _, record in _records_in(directory))
-        if group:
-            yield _one_summary_per_step(group)
+        stored = [(d, record) for d in groups[relative] for _, record in _records_in(d)]
+        if stored:
+            yield _one_summary_per_step(_one_trajectory_per_id(stored))
+
+
+def _one_trajectory_per_id(stored: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Records of one trajectory written by several stores (its calls reached several
+    proxies under one id) as one (`joined`); a store's own parts stay parts."""
+    by_id: dict[tuple[Any, ...], dict[Path, dict[str, Any]]] = {}
+    records: list[dict[str, Any] | tuple[Any, ...]] = []
+    for directory, record in stored:
+        key = record.get("key") or {}
+        if record.get("record") != "trajectory" or not key.get("trajectory_id"):
+            records.append(record)
+            continue
+        name = (key.get("project"), key.get("experiment"), bool(key.get("validate")),
+                key.get("step"), key["trajectory_id"], record.get("part", 1))  # fmt: skip
+        found = by_id.setdefault(name, {})
+        if not found:
+            records.append(name)
+        if directory not in found:
+            found[directory] = record
+    return [joined(list(by_id[r].values())) if isinstance(r, tuple) else r for r in records]
 
 
 def _one_summary_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -68,6 +68,14 @@ class Entry:
     finish: str | None  # the last call's first output's finish reason
     calls_dropped: int
     annotated: bool = False  # reward, score or labels came from a later annotation
+    trajectory_id: str | None = None  # the key's, when the client gave one
+    # Records of the same trajectory that other replicas wrote (its calls reached several
+    # proxies): shown as one with this entry (`replicas.joined`), counted once.
+    others: tuple[Entry, ...] = ()
+
+    @property
+    def parts(self) -> list[Entry]:
+        return [self, *self.others]
 
 
 @dataclass
@@ -152,6 +160,8 @@ class Run:
     files: dict[str, FileState] = field(default_factory=dict)
     steps: dict[StepKey, Step] = field(default_factory=dict)
     by_id: dict[str, Entry] = field(default_factory=dict)
+    # (validate, step, trajectory id, part) -> its first entry and the directories that wrote it
+    by_trajectory: dict[tuple[Any, ...], tuple[Entry, set[Path]]] = field(default_factory=dict)
     pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # notes, by target
     events: list[dict[str, Any]] = field(default_factory=list)
     unreadable: int = 0  # lines that are not a JSON object
@@ -171,6 +181,7 @@ class Run:
     def clear(self) -> None:
         """Forget everything read (its files are read again from their start)."""
         self.files, self.steps, self.by_id, self.pending, self.events = {}, {}, {}, {}, []
+        self.by_trajectory = {}
         self.unreadable = self.calls = self.prompt_tokens = self.completion_tokens = 0
         self.errors = 0
 
@@ -283,7 +294,7 @@ class StoreIndex:
         if kind == "trajectory":
             entry = entry_of(record, state.number, offset, len(line))
             if entry is not None:
-                _add_entry(run, entry, record)
+                _add_entry(run, entry, record, state.path.parent)
             else:
                 run.unreadable += 1
         elif kind == "annotation":
@@ -400,14 +411,23 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         completion_tokens=completion,
         finish=None if finish is None else sys.intern(finish),
         calls_dropped=_int(summary.get("calls_dropped")),
+        trajectory_id=_str_or_none(key.get("trajectory_id")),
     )
 
 
-def _add_entry(run: Run, entry: Entry, record: dict[str, Any]) -> None:
+def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) -> None:
     if entry.id in run.by_id:
         return  # the same record written twice: count it once
-    run.by_id[entry.id] = entry
     step = run.steps.setdefault((entry.validate, entry.step), Step())
+    if entry.trajectory_id is not None:
+        name = (entry.validate, entry.step, entry.trajectory_id, entry.part)
+        first, directories = run.by_trajectory.setdefault(name, (entry, set()))
+        if directory not in directories and directories:  # another replica's record of it
+            _join(run, step, first, entry)
+            directories.add(directory)
+            return
+        directories.add(directory)
+    run.by_id[entry.id] = entry
     step.entries.append(entry)
     for note in run.pending.pop(entry.id, []):
         _annotate(entry, note)
@@ -417,6 +437,27 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any]) -> None:
     run.prompt_tokens += _int(summary.get("prompt_tokens"))
     run.completion_tokens += entry.completion_tokens
     run.errors += entry.status != "ok"
+
+
+def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
+    """`other` is a part of `first`'s trajectory from another replica: one entry, counted once."""
+    run.by_id[other.id] = first
+    step.stats.add(first, -1)
+    first.others = (*first.others, other)
+    for name in ("calls", "errors", "tool_calls", "tool_errors", "prompt_tokens",
+                 "completion_tokens", "calls_dropped"):  # fmt: skip
+        setattr(first, name, getattr(first, name) + getattr(other, name))
+    first.start, first.end = min(first.start, other.start), max(first.end, other.end)
+    if first.status == "ok":
+        first.status = other.status
+    if first.reward is None:
+        first.reward, first.score = other.reward, other.score
+    step.stats.add(first)
+    run.calls += other.calls
+    run.prompt_tokens += other.prompt_tokens
+    run.completion_tokens += other.completion_tokens
+    for note in run.pending.pop(other.id, []):
+        _annotate(first, note)
 
 
 def _apply_note(run: Run, note: dict[str, Any]) -> None:

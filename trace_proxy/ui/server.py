@@ -27,6 +27,7 @@ from aiohttp import web
 
 from trace_proxy.config import Settings
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
+from trace_proxy.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import views
 from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
@@ -146,6 +147,10 @@ class Viewer:
         response.headers.update(SECURITY_HEADERS)
         return response
 
+    def _read_parts(self, entry: Entry) -> list[dict[str, Any]]:
+        """The stored records of `entry`: one, or one per replica that wrote a part of it."""
+        return [self.index.read_record(part) for part in entry.parts]
+
     async def _refreshed(self) -> int:
         return await asyncio.to_thread(self.index.refresh)
 
@@ -261,7 +266,7 @@ class Viewer:
                  if e.group == entry.group),
                 key=views.rollout_order,
             )  # fmt: skip
-        record = await asyncio.to_thread(self.index.read_record, entry)
+        record = joined(await asyncio.to_thread(self._read_parts, entry))
         view = views.trajectory_view(record, self.piece)
         return self._render(
             "trajectory.html", run=run, entry=entry, t=view, siblings=siblings,
@@ -279,8 +284,8 @@ class Viewer:
         await self._refreshed()
         with self.index.lock:
             _, entry = self._entry(request)
-        record = await asyncio.to_thread(self.index.read_record, entry)
-        body = orjson.dumps(record, option=orjson.OPT_INDENT_2)
+        parts = await asyncio.to_thread(self._read_parts, entry)
+        body = orjson.dumps(parts if len(parts) > 1 else parts[0], option=orjson.OPT_INDENT_2)
         return web.Response(body=body, content_type="application/json")
 
     async def compare_page(self, request: web.Request) -> web.Response:
