@@ -7,13 +7,16 @@ and loopback address (127.0.0.1-3; Ray is told to keep every address on loopback
 runs a stand-in for verl's vLLM server actor (server.py's `generate`, as verl 0.9.1 writes it)
 in front of the project's simulated vLLM (deterministic, the tiny model's real tokenizer) on
 that node's address. verl's real load balancer spreads calls over the three; verl's real
-legacy manager, built from verl's config as its trainer builds it (run.py), with three
-agent-loop workers placed by verl over the nodes, runs the steps:
+legacy manager, built from verl's config as its trainer builds it (run.py), with agent-loop
+workers placed by verl over the nodes, runs the steps twice through the plugin, keeping 2
+samples per step:
 
-- `verl`: verl's own path (no plugin), the batches to compare with;
-- `plugin`: the plugin, keeping 2 samples per step, writing WORK_DIR/traces-1; in its last
-  step one node's proxy is killed (SIGKILL) while calls are in flight;
-- `rerun`: the plugin again, the same steps, writing WORK_DIR/traces-2.
+- `plugin`, writing WORK_DIR/traces-1; in its last step one node's proxy is killed (SIGKILL)
+  while calls are in flight, so some of that step's calls take verl's own path;
+- `rerun`, the same steps, writing WORK_DIR/traces-2, every call through a proxy.
+
+(That the plugin's batches equal verl's own path is shown call for call against real vLLM by
+run.py; here the two runs' batches are compared, the kill step's included.)
 
 It writes WORK_DIR/cluster.json: each run's batches, which server is on which node, each
 proxy's node, replica directory, restarts and process, the workers' fallback counts, and the
@@ -114,13 +117,12 @@ def build(config: Any, servers: dict[str, Any], rewards: Any) -> Any:
                               reward_loop_worker_handles=rewards)  # fmt: skip
 
 
-def cluster_config(model_dir: str, work: Path, traces: str | None) -> Any:
-    config = compose_config(model_dir, work, plugin=traces is not None)
+def cluster_config(model_dir: str, work: Path, traces: str) -> Any:
+    config = compose_config(model_dir, work, plugin=True)
     OmegaConf.set_struct(config, False)
-    config.actor_rollout_ref.rollout.agent.num_workers = 4  # divides the batch, as verl needs
+    config.actor_rollout_ref.rollout.agent.num_workers = 2  # divides the batch, as verl needs
     config.trainer.experiment_name = "cluster"
-    if traces is not None:
-        config.trace_proxy = {"output": str(work / traces), "max_samples_per_step": KEEP}
+    config.trace_proxy = {"output": str(work / traces), "max_samples_per_step": KEEP}
     return config
 
 
@@ -227,19 +229,18 @@ def main() -> int:
     cluster = start_cluster()
     from verl.experimental.reward_loop import RewardLoopManager
 
-    base = cluster_config(model_dir, work, None)
+    base = cluster_config(model_dir, work, "traces-1")
     rewards = RewardLoopManager(base, rm_resource_pool=None).reward_loop_worker_handles
     servers = start_servers(model_dir, base)
     nodes = {sid: ray.get(handle.node.remote()) for sid, handle in servers.items()}
     report: dict[str, Any] = {"server_nodes": nodes, "runs": {}}
-    for name, traces in (("verl", None), ("plugin", "traces-1"), ("rerun", "traces-2")):
+    for name, traces in (("plugin", "traces-1"), ("rerun", "traces-2")):
         manager = build(cluster_config(model_dir, work, traces), servers, rewards)
         results = run_steps(manager, servers, kill=name == "plugin")
-        if traces is not None:
-            results["proxies"] = proxies_of(manager)
-            results["fallbacks"] = worker_fallbacks(manager)
-            manager._trace_proxy.stop()  # as at the trainer's exit: drained, then stopped
-            results["left_running"] = serving_processes(str(work / traces))
+        results["proxies"] = proxies_of(manager)
+        results["fallbacks"] = worker_fallbacks(manager)
+        manager._trace_proxy.stop()  # as at the trainer's exit: drained, then stopped
+        results["left_running"] = serving_processes(str(work / traces))
         for worker in manager.agent_loop_workers:  # the next run starts its own
             ray.kill(worker)
         report["runs"][name] = results
