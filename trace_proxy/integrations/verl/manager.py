@@ -92,7 +92,9 @@ def _variant(settings: PluginSettings, config: Any) -> str:
     return "v1" if use_v1 else "legacy"
 
 
-def _connect(settings: PluginSettings, llm_client: Any, limits: ServerLimits) -> ProxyLink:
+def _connect(
+    settings: PluginSettings, llm_client: Any, limits: ServerLimits
+) -> tuple[ProxyLink, ProxyFleet | None]:
     """The running proxy given by URL (a sidecar), with verl's servers registered; else a
     proxy started beside each rollout server (the link then routes each server to its own)."""
     if settings.url is not None:
@@ -104,12 +106,10 @@ def _connect(settings: PluginSettings, llm_client: Any, limits: ServerLimits) ->
         if balancer is not None:
             servers = list(ray.get(balancer.get_all_servers.remote()))
             register_servers(settings.admin_url, settings.admin_token, servers)
-        return ProxyLink(settings.url, settings.admin_url, settings.admin_token, limits)
+        return ProxyLink(settings.url, settings.admin_url, settings.admin_token, limits), None
     args = [*settings.proxy_args, *(["--host", settings.host] if settings.host else [])]
     fleet = ProxyFleet.start(llm_client, args, settings.output, settings.start_timeout)
-    link = ProxyLink(None, None, fleet.admin_token, limits, routes=dict(fleet.routes))
-    link.fleet = fleet  # type: ignore[attr-defined]  # not pickled: the manager's alone
-    return link
+    return ProxyLink(None, None, fleet.admin_token, limits, routes=dict(fleet.routes)), fleet
 
 
 def _decider(settings: PluginSettings, link: ProxyLink) -> StepDecider:
@@ -192,8 +192,7 @@ def create(
     settings = read_settings(config)
     variant = _variant(settings, config)
     limits = server_limits(config)
-    link = _connect(settings, llm_client, limits)
-    fleet: ProxyFleet | None = getattr(link, "fleet", None)
+    link, fleet = _connect(settings, llm_client, limits)
     try:
         install(llm_client, link)
         manager_cls = _manager_class(variant, settings, _decider(settings, link))
