@@ -262,6 +262,7 @@ class ProxyLink:
         """Close the trajectory now, with verl's reward when it has one, on every proxy its
         calls went through (`admin_urls`; else the link's own). Never raises: a trajectory
         not closed here closes when idle or when its step ends."""
+        # The whole key: a reward for a sample the sampler dropped is filed under its run.
         body: dict[str, Any] = {
             "trajectory_id": tags.trajectory_id,
             "project": tags.project,
@@ -269,7 +270,7 @@ class ProxyLink:
             "step": tags.step,
             "validate": tags.validate,
             "done": True,
-        }  # fmt: skip (a reward for a sample the sampler dropped is filed under its run)
+        }
         if reward is not None:
             body["reward"] = float(reward)
         targets = list(admin_urls) or ([self.admin_url] if self.admin_url else [])
