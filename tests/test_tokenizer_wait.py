@@ -83,6 +83,16 @@ async def roll_out(proxy: str, tokenizer: Any) -> None:
                 assert resp.status == 200
 
 
+async def until(condition: Any) -> None:
+    """Poll a condition of the proxy's own (a continuation waiting for the tokenizer), within
+    GUARD: the capture stage parses on its own schedule, after the requests were answered."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + GUARD
+    while not condition():
+        assert loop.time() < deadline, "the condition never came true"
+        await asyncio.sleep(0.01)
+
+
 def ambiguous(recorded: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [t for t in recorded if t["key"]["sources"]["trajectory_id"] == "inferred:ambiguous"]
 
@@ -111,6 +121,7 @@ async def test_continuations_wait_for_the_loading_tokenizer(
             assert service.readiness()["tokenizer"] == "loading"  # /ready is 503 meanwhile
             await roll_out(proxy, qwen_tokenizer)
             assert service.readiness()["tokenizer"] == "loading"
+            await until(lambda: service.inline.capture.waiting_for_decoders)
             loader.released.set()
             await asyncio.wait_for(service.wait_ready(), GUARD)
             assert service.readiness()["tokenizer"] == "ok"

@@ -100,6 +100,7 @@ class CaptureStage:
         self._idle_check_interval = idle_check_interval
         self._tasks: list[asyncio.Task[None]] = []
         self._decoders: asyncio.Future[None] | None = None  # while the tokenizer loads
+        self.waiting_for_decoders = False  # a call waits for the tokenizer right now
         self._decoder_deadline = 0.0
         self._decoder_waits = children(metrics.inference_decoder_waits)
         # Are exchanges still to be read (the capture process's socket)? Between bursts of
@@ -493,7 +494,11 @@ class CaptureStage:
             return
         left = self._decoder_deadline - asyncio.get_running_loop().time()
         if left > 0:
-            await asyncio.wait({decoders}, timeout=left)  # never cancels what it waits for
+            self.waiting_for_decoders = True
+            try:
+                await asyncio.wait({decoders}, timeout=left)  # never cancels what it waits for
+            finally:
+                self.waiting_for_decoders = False
         self._decoders = None  # loaded, given up, or waited for as long as allowed
 
     def _handle(self, exchange: Exchange, parsed: Parsed | None = None) -> None:
