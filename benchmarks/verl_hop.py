@@ -4,6 +4,7 @@ verl's Ray call to its server actor.
 Runs in a verl venv (verl 0.9.1, Ray) with this checkout on PYTHONPATH:
 
     PYTHONPATH=. VERL_PYTHON benchmarks/verl_hop.py [--calls 2048] [--concurrency 1,64,256]
+        [--rounds 3]
 
 Both paths use verl's real LLM client and load balancer (`LLMServerClient`,
 `get_router_handle`), against one server actor that answers at once, so what is measured is
@@ -98,17 +99,29 @@ def summary(latencies: list[float]) -> tuple[float, float]:
     return statistics.median(ordered) * 1e3, ordered[int(len(ordered) * 0.99) - 1] * 1e3
 
 
-async def measure(paths: dict[str, Any], calls: int, concurrencies: list[int]) -> None:
+async def measure(paths: dict[str, Any], calls: int, concurrencies: list[int],
+                  rounds: int) -> None:  # fmt: skip
+    """Each concurrency in `rounds` rounds, the paths' order alternating between rounds, so that
+    a drift of the machine (Ray's own calls vary by milliseconds) falls on both paths alike."""
+    names = list(paths)
     for concurrency in concurrencies:
-        results = {}
-        for name, client in paths.items():
-            await timed(client, 40, concurrency)  # warm-up: connections, Ray's first calls
-            results[name] = summary(await timed(client, calls, concurrency))
-            p50, p99 = results[name]
-            print(f"| {concurrency} | {name} | {p50:.2f} | {p99:.2f} |", flush=True)
-        (own_p50, own_p99), (hop_p50, hop_p99) = results.values()
-        print(f"| {concurrency} | added by the plugin | {hop_p50 - own_p50:+.2f} | "
-              f"{hop_p99 - own_p99:+.2f} |", flush=True)  # fmt: skip
+        added: list[tuple[float, float]] = []
+        for round_ in range(rounds):
+            results = {}
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                await timed(paths[name], 40, concurrency)  # warm-up: connections, Ray's calls
+                results[name] = summary(await timed(paths[name], calls, concurrency))
+                p50, p99 = results[name]
+                print(f"| {concurrency} | {round_ + 1} | {name} | {p50:.2f} | {p99:.2f} |",
+                      flush=True)  # fmt: skip
+            (own_p50, own_p99), (hop_p50, hop_p99) = (results[name] for name in names)
+            added.append((hop_p50 - own_p50, hop_p99 - own_p99))
+            print(f"| {concurrency} | {round_ + 1} | added by the plugin | "
+                  f"{hop_p50 - own_p50:+.2f} | {hop_p99 - own_p99:+.2f} |", flush=True)  # fmt: skip
+        p50 = statistics.median(p50 for p50, _ in added)
+        p99 = statistics.median(p99 for _, p99 in added)
+        print(f"| {concurrency} | median of {rounds} | added by the plugin | {p50:+.2f} | "
+              f"{p99:+.2f} |", flush=True)  # fmt: skip
     for client in paths.values():
         link = getattr(client, "_trace_proxy_link", None)
         if link is not None and link._session is not None:
@@ -133,6 +146,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=2048)
     parser.add_argument("--concurrency", default="1,64,256")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds per concurrency, the paths' order alternating")  # fmt: skip
     parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
                         help="the proxy on core 1, everything else on core 0")  # fmt: skip
     args = parser.parse_args()
@@ -166,9 +181,10 @@ def main() -> int:
             print(f"proxy processes {pinned} on core 1; the rest on core 0", flush=True)
         limits = ServerLimits("vllm", 1024, 16, 4096)
         install(traced, ProxyLink(None, None, fleet.admin_token, limits, routes=fleet.routes))
-        print("| concurrency | path | p50 ms | p99 ms |\n|---|---|---|---|")
+        print("| in flight | round | path | p50 ms | p99 ms |\n|---|---|---|---|---|")
         paths = {"verl (Ray call)": own, "plugin (HTTP via trace-proxy)": traced}
-        asyncio.run(measure(paths, args.calls, [int(c) for c in args.concurrency.split(",")]))
+        concurrencies = [int(c) for c in args.concurrency.split(",")]
+        asyncio.run(measure(paths, args.calls, concurrencies, args.rounds))
         assert not traced._trace_proxy_link.fallbacks, traced._trace_proxy_link.fallbacks
         fleet.stop()
     ray.shutdown()
