@@ -27,9 +27,29 @@ the published chat templates; see docs in each parser class for the differences.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from typing import Any, Protocol
+
+from trace_proxy.trajectories.toolparsers.common import (
+    CHATML_END_MARKERS,
+    NOT_CLOSED,
+    TOOL_CALL_END,
+    TOOL_CALL_START,
+    TOOL_RESPONSE_END,
+    TOOL_RESPONSE_START,
+    ParsedResponse,
+    ParsedToolCall,
+    ToolCallParser,
+    UnparsedToolCall,
+    call_from_json,
+    dumps,
+    join_content,
+    loads,
+    split_reasoning,
+    strip_end_markers,
+    tagged_blocks,
+    trim_wrapping_newlines,
+    truncated,
+)
 
 __all__ = [
     "DEFAULT_PARSER",
@@ -43,172 +63,6 @@ __all__ = [
     "UnparsedToolCall",
     "get_parser",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedToolCall:
-    name: str
-    arguments: str  # a JSON string, json.dumps(obj, ensure_ascii=False) when the model wrote one
-
-
-@dataclass(frozen=True, slots=True)
-class UnparsedToolCall:
-    raw: str  # the tool-call text as the model wrote it
-    error: str  # why it could not be parsed
-
-
-@dataclass(frozen=True, slots=True)
-class ParsedResponse:
-    content: str | None  # text outside tool-call markup and reasoning, stripped; None if empty
-    reasoning: str | None  # <think>...</think> / analysis channel text, if any
-    calls: list[ParsedToolCall]
-    unparsed: list[UnparsedToolCall]
-
-
-class ToolCallParser(Protocol):
-    name: str
-
-    def parse_response(self, text: str) -> ParsedResponse:
-        """Reasoning, content and tool calls of one decoded response."""
-        ...
-
-    def tool_results(self, added_text: str) -> list[str]:
-        """Tool results, in order, in the text a prompt adds after the previous response."""
-        ...
-
-
-# ---------------------------------------------------------------------------------------------
-# Shared pieces
-
-
-THINK_START = "<think>"
-THINK_END = "</think>"
-TOOL_CALL_START = "<tool_call>"
-TOOL_CALL_END = "</tool_call>"
-TOOL_RESPONSE_START = "<tool_response>"
-TOOL_RESPONSE_END = "</tool_response>"
-_CHATML_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
-
-
-def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _loads(text: str) -> Any:
-    """Strict JSON (no NaN/Infinity), as an agent's json.loads + a JSON consumer would need."""
-    return json.loads(text, parse_constant=_reject_constant)
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, ensure_ascii=False)
-
-
-def _strip_end_markers(text: str, markers: tuple[str, ...]) -> str:
-    """Drop the end-of-turn tokens (and whitespace) at the end of a response."""
-    while True:
-        stripped = text.rstrip()
-        for marker in markers:
-            if stripped.endswith(marker):
-                text = stripped[: -len(marker)]
-                break
-        else:
-            return text
-
-
-def _trim_wrapping_newlines(value: str) -> str:
-    """Remove the one newline the templates put on each side of a value."""
-    if value.startswith("\n"):
-        value = value[1:]
-    if value.endswith("\n"):
-        value = value[:-1]
-    return value
-
-
-def _split_reasoning(text: str, call_start: str) -> tuple[str | None, str]:
-    """Split `<think>...</think>` off the front of a response.
-
-    As vLLM's Qwen3 grammar does: reasoning opens with `<think>` at the start (or is implied when
-    the template put `<think>` in the prompt and only `</think>` appears), and ends at `</think>`,
-    at the first tool call (an implicit end) or at the end of a truncated generation.
-    Without either tag there is no reasoning.
-    """
-    lead = len(text) - len(text.lstrip())
-    if text.startswith(THINK_START, lead):
-        begin = lead + len(THINK_START)
-        end_tag = text.find(THINK_END, begin)
-    else:
-        begin = 0
-        end_tag = text.find(THINK_END)
-        if end_tag == -1:
-            return None, text
-    stop = end_tag if end_tag != -1 else len(text)
-    call_at = text.find(call_start, begin, stop)
-    if call_at != -1:
-        stop = call_at
-    reasoning = text[begin:stop].strip() or None
-    rest = text[stop + len(THINK_END) :] if stop == end_tag else text[stop:]
-    return reasoning, rest
-
-
-def _join_content(parts: list[str], drop_think_end: bool) -> str | None:
-    pieces = []
-    for part in parts:
-        if drop_think_end and THINK_END in part:
-            part = part.replace(THINK_END, "")  # a duplicate </think> after the reasoning ended
-        part = part.strip()
-        if part:
-            pieces.append(part)
-    return "\n".join(pieces) or None
-
-
-def _truncated(closing: str, what: str) -> str:
-    return (
-        f"tool call not closed: the text ends before {closing} "
-        f"(generation truncated, e.g. by max_tokens){what}"
-    )
-
-
-_NOT_CLOSED = f"tool call not closed: a new {TOOL_CALL_START} starts before its {TOOL_CALL_END}"
-
-
-def _tagged_blocks(text: str, start_tag: str, end_tag: str) -> list[str]:
-    """Bodies of the closed `start_tag ... end_tag` blocks, one wrapping newline trimmed."""
-    found: list[str] = []
-    pos = 0
-    while True:
-        start = text.find(start_tag, pos)
-        if start == -1:
-            return found
-        body = start + len(start_tag)
-        end = text.find(end_tag, body)
-        if end == -1:
-            return found
-        found.append(_trim_wrapping_newlines(text[body:end]))
-        pos = end + len(end_tag)
-
-
-def _call_from_json(payload: str) -> ParsedToolCall | str:
-    """A Hermes JSON call object, or why it is not one."""
-    payload = payload.strip()
-    if not payload:
-        return "empty tool call"
-    try:
-        obj = _loads(payload)
-    except ValueError as exc:
-        return f"invalid JSON in tool call: {exc}"
-    if not isinstance(obj, dict):
-        return f'tool call JSON is {type(obj).__name__}, not an object with "name"'
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        return 'tool call JSON has no "name" string'
-    if "arguments" in obj:
-        args = obj["arguments"]
-    elif "parameters" in obj:
-        args = obj["parameters"]
-    else:
-        args = {k: v for k, v in obj.items() if k != "name"}
-    # A string is kept as written (a model that wrote its arguments as a JSON string).
-    return ParsedToolCall(name=name, arguments=args if isinstance(args, str) else _dumps(args))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -228,8 +82,8 @@ class HermesParser:
     name: str = "hermes"
 
     def parse_response(self, text: str) -> ParsedResponse:
-        text = _strip_end_markers(text, _CHATML_END_MARKERS)
-        reasoning, body = _split_reasoning(text, TOOL_CALL_START)
+        text = strip_end_markers(text, CHATML_END_MARKERS)
+        reasoning, body = split_reasoning(text, TOOL_CALL_START)
         content: list[str] = []
         calls: list[ParsedToolCall] = []
         unparsed: list[UnparsedToolCall] = []
@@ -245,38 +99,38 @@ class HermesParser:
             reopen = body.find(TOOL_CALL_START, inner)
             # A <tool_call> before </tool_call>: either the block was cut and the model started
             # over, or the arguments hold that text (code about tool calls). JSON decides.
-            if -1 < reopen < end and not isinstance(_call_from_json(body[inner:end]), str):
+            if -1 < reopen < end and not isinstance(call_from_json(body[inner:end]), str):
                 reopen = -1
             if end == -1 or (reopen != -1 and reopen < end):
                 stop = len(body) if reopen == -1 else reopen
                 raw = body[start:stop]
                 if reopen == -1:
-                    complete = not isinstance(_call_from_json(body[inner:stop]), str)
+                    complete = not isinstance(call_from_json(body[inner:stop]), str)
                     note = "; the JSON inside is complete" if complete else ""
-                    error = _truncated(TOOL_CALL_END, note)
+                    error = truncated(TOOL_CALL_END, note)
                 else:
-                    error = _NOT_CLOSED
+                    error = NOT_CLOSED
                 unparsed.append(UnparsedToolCall(raw=raw.rstrip(), error=error))
                 if reopen == -1:
                     break
                 pos = reopen
                 continue
             stop = end + len(TOOL_CALL_END)
-            parsed = _call_from_json(body[inner:end])
+            parsed = call_from_json(body[inner:end])
             if isinstance(parsed, str):
                 unparsed.append(UnparsedToolCall(raw=body[start:stop], error=parsed))
             else:
                 calls.append(parsed)
             pos = stop
         return ParsedResponse(
-            content=_join_content(content, reasoning is not None),
+            content=join_content(content, reasoning is not None),
             reasoning=reasoning,
             calls=calls,
             unparsed=unparsed,
         )
 
     def tool_results(self, added_text: str) -> list[str]:
-        return _tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+        return tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -314,7 +168,7 @@ def _parse_parameters(body: str) -> dict[str, str]:
             value_end = end
             pos = end + len(PARAMETER_END)
         if name:
-            params[name] = _trim_wrapping_newlines(body[value_start:value_end])
+            params[name] = trim_wrapping_newlines(body[value_start:value_end])
 
 
 def _parse_function(text: str) -> ParsedToolCall | str:
@@ -325,7 +179,7 @@ def _parse_function(text: str) -> ParsedToolCall | str:
     name = text[len(FUNCTION_START) : body_start].strip()
     if not name:
         return "empty function name"
-    return ParsedToolCall(name=name, arguments=_dumps(_parse_parameters(text[body_start + 1 :])))
+    return ParsedToolCall(name=name, arguments=dumps(_parse_parameters(text[body_start + 1 :])))
 
 
 class Qwen3CoderParser:
@@ -343,8 +197,8 @@ class Qwen3CoderParser:
     name: str = "qwen3_coder"
 
     def parse_response(self, text: str) -> ParsedResponse:
-        text = _strip_end_markers(text, _CHATML_END_MARKERS)
-        reasoning, body = _split_reasoning(text, TOOL_CALL_START)
+        text = strip_end_markers(text, CHATML_END_MARKERS)
+        reasoning, body = split_reasoning(text, TOOL_CALL_START)
         content: list[str] = []
         calls: list[ParsedToolCall] = []
         unparsed: list[UnparsedToolCall] = []
@@ -361,7 +215,7 @@ class Qwen3CoderParser:
                 end = body.find(FUNCTION_END, bare)
                 if end == -1:
                     raw = body[bare:].rstrip()
-                    unparsed.append(UnparsedToolCall(raw=raw, error=_truncated(FUNCTION_END, "")))
+                    unparsed.append(UnparsedToolCall(raw=raw, error=truncated(FUNCTION_END, "")))
                     break
                 pos = end + len(FUNCTION_END)
                 self._add(body[bare:end], body[bare:pos], calls, unparsed)
@@ -377,7 +231,7 @@ class Qwen3CoderParser:
             self._parse_block(body[inner:stop], body[block:after], closed, at_end, calls, unparsed)
             pos = after
         return ParsedResponse(
-            content=_join_content(content, reasoning is not None),
+            content=join_content(content, reasoning is not None),
             reasoning=reasoning,
             calls=calls,
             unparsed=unparsed,
@@ -405,10 +259,10 @@ class Qwen3CoderParser:
         first = inner.find(FUNCTION_START)
         if first == -1:
             if not closed:
-                error = _truncated(TOOL_CALL_END, "") if at_end else _NOT_CLOSED
+                error = truncated(TOOL_CALL_END, "") if at_end else NOT_CLOSED
                 unparsed.append(UnparsedToolCall(raw=raw.rstrip(), error=error))
                 return
-            parsed = _call_from_json(inner)
+            parsed = call_from_json(inner)
             if isinstance(parsed, str):
                 error = f"no {FUNCTION_START}NAME> in tool call ({parsed})"
                 unparsed.append(UnparsedToolCall(raw=raw, error=error))
@@ -432,11 +286,11 @@ class Qwen3CoderParser:
                 self._add(inner[start:limit], inner[start:limit] if many else raw, calls, unparsed)
             else:
                 piece = inner[start:].rstrip() if many else raw.rstrip()
-                error = _truncated(FUNCTION_END, "") if at_end else _NOT_CLOSED
+                error = truncated(FUNCTION_END, "") if at_end else NOT_CLOSED
                 unparsed.append(UnparsedToolCall(raw=piece, error=error))
 
     def tool_results(self, added_text: str) -> list[str]:
-        return _tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+        return tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -548,7 +402,7 @@ class GptOssParser:
     name: str = "gpt_oss"
 
     def parse_response(self, text: str) -> ParsedResponse:
-        text = _strip_end_markers(text, _H_END_MARKERS)
+        text = strip_end_markers(text, _H_END_MARKERS)
         if H_MESSAGE not in text and H_CHANNEL not in text and H_START not in text:
             plain = text.strip() or None
             return ParsedResponse(content=plain, reasoning=None, calls=[], unparsed=[])
@@ -586,15 +440,15 @@ class GptOssParser:
         if not name:
             return UnparsedToolCall(raw=raw, error=f"no function name in recipient {recipient!r}")
         if message.body is None:
-            return UnparsedToolCall(raw=raw, error=_truncated(H_MESSAGE, " in the message header"))
+            return UnparsedToolCall(raw=raw, error=truncated(H_MESSAGE, " in the message header"))
         content_type = message.content_type
         if content_type is not None and "json" not in content_type:
             return ParsedToolCall(name=name, arguments=message.body)
         try:
-            arguments = _dumps(_loads(message.body))
+            arguments = dumps(loads(message.body))
         except ValueError as exc:
             if message.terminator is None:
-                return UnparsedToolCall(raw=raw, error=_truncated(H_CALL, f"; {exc}"))
+                return UnparsedToolCall(raw=raw, error=truncated(H_CALL, f"; {exc}"))
             return UnparsedToolCall(raw=raw, error=f"invalid JSON arguments: {exc}")
         return ParsedToolCall(name=name, arguments=arguments)
 
