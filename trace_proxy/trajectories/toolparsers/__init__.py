@@ -30,23 +30,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from trace_proxy.trajectories.toolparsers.common import (
-    CHATML_END_MARKERS,
     NOT_CLOSED,
     TOOL_CALL_END,
     TOOL_CALL_START,
-    TOOL_RESPONSE_END,
-    TOOL_RESPONSE_START,
+    ChatMLParser,
+    Found,
     ParsedResponse,
     ParsedToolCall,
     ToolCallParser,
     UnparsedToolCall,
     call_from_json,
     dumps,
-    join_content,
     loads,
-    split_reasoning,
     strip_end_markers,
-    tagged_blocks,
     trim_wrapping_newlines,
     truncated,
 )
@@ -69,7 +65,7 @@ __all__ = [
 # Hermes / Qwen2.5 / Qwen3 JSON calls
 
 
-class HermesParser:
+class HermesParser(ChatMLParser):
     """`<tool_call>{"name": ..., "arguments": ...}</tool_call>` blocks (vLLM's `hermes`).
 
     Differences from vLLM's Hermes2ProToolParser, which would drop all calls of a response if
@@ -81,19 +77,14 @@ class HermesParser:
 
     name: str = "hermes"
 
-    def parse_response(self, text: str) -> ParsedResponse:
-        text = strip_end_markers(text, CHATML_END_MARKERS)
-        reasoning, body = split_reasoning(text, TOOL_CALL_START)
-        content: list[str] = []
-        calls: list[ParsedToolCall] = []
-        unparsed: list[UnparsedToolCall] = []
+    def scan(self, body: str, found: Found) -> None:
         pos = 0
         while True:
             start = body.find(TOOL_CALL_START, pos)
             if start == -1:
-                content.append(body[pos:])
-                break
-            content.append(body[pos:start])
+                found.content.append(body[pos:])
+                return
+            found.content.append(body[pos:start])
             inner = start + len(TOOL_CALL_START)
             end = body.find(TOOL_CALL_END, inner)
             reopen = body.find(TOOL_CALL_START, inner)
@@ -110,27 +101,18 @@ class HermesParser:
                     error = truncated(TOOL_CALL_END, note)
                 else:
                     error = NOT_CLOSED
-                unparsed.append(UnparsedToolCall(raw=raw.rstrip(), error=error))
+                found.unparsed.append(UnparsedToolCall(raw=raw.rstrip(), error=error))
                 if reopen == -1:
-                    break
+                    return
                 pos = reopen
                 continue
             stop = end + len(TOOL_CALL_END)
             parsed = call_from_json(body[inner:end])
             if isinstance(parsed, str):
-                unparsed.append(UnparsedToolCall(raw=body[start:stop], error=parsed))
+                found.unparsed.append(UnparsedToolCall(raw=body[start:stop], error=parsed))
             else:
-                calls.append(parsed)
+                found.calls.append(parsed)
             pos = stop
-        return ParsedResponse(
-            content=join_content(content, reasoning is not None),
-            reasoning=reasoning,
-            calls=calls,
-            unparsed=unparsed,
-        )
-
-    def tool_results(self, added_text: str) -> list[str]:
-        return tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,7 +164,7 @@ def _parse_function(text: str) -> ParsedToolCall | str:
     return ParsedToolCall(name=name, arguments=dumps(_parse_parameters(text[body_start + 1 :])))
 
 
-class Qwen3CoderParser:
+class Qwen3CoderParser(ChatMLParser):
     """Qwen3-Coder's `<tool_call><function=NAME><parameter=P>V</parameter></function></tool_call>`
     (vLLM's `qwen3_coder`).
 
@@ -196,31 +178,26 @@ class Qwen3CoderParser:
 
     name: str = "qwen3_coder"
 
-    def parse_response(self, text: str) -> ParsedResponse:
-        text = strip_end_markers(text, CHATML_END_MARKERS)
-        reasoning, body = split_reasoning(text, TOOL_CALL_START)
-        content: list[str] = []
-        calls: list[ParsedToolCall] = []
-        unparsed: list[UnparsedToolCall] = []
+    def scan(self, body: str, found: Found) -> None:
         pos = 0
         while True:
             block = body.find(TOOL_CALL_START, pos)
             bare = body.find(FUNCTION_START, pos)
             if block == -1 and bare == -1:
-                content.append(body[pos:])
-                break
+                found.content.append(body[pos:])
+                return
             if block == -1 or (bare != -1 and bare < block):
                 # A function without the <tool_call> wrapper.
-                content.append(body[pos:bare])
+                found.content.append(body[pos:bare])
                 end = body.find(FUNCTION_END, bare)
                 if end == -1:
-                    raw = body[bare:].rstrip()
-                    unparsed.append(UnparsedToolCall(raw=raw, error=truncated(FUNCTION_END, "")))
-                    break
+                    error = truncated(FUNCTION_END, "")
+                    found.unparsed.append(UnparsedToolCall(raw=body[bare:].rstrip(), error=error))
+                    return
                 pos = end + len(FUNCTION_END)
-                self._add(body[bare:end], body[bare:pos], calls, unparsed)
+                self._add(body[bare:end], body[bare:pos], found)
                 continue
-            content.append(body[pos:block])
+            found.content.append(body[pos:block])
             inner = block + len(TOOL_CALL_START)
             end = body.find(TOOL_CALL_END, inner)
             reopen = body.find(TOOL_CALL_START, inner)
@@ -228,46 +205,30 @@ class Qwen3CoderParser:
             stop = end if closed else (len(body) if reopen == -1 else reopen)
             after = stop + len(TOOL_CALL_END) if closed else stop
             at_end = not closed and reopen == -1
-            self._parse_block(body[inner:stop], body[block:after], closed, at_end, calls, unparsed)
+            self._parse_block(body[inner:stop], body[block:after], closed, at_end, found)
             pos = after
-        return ParsedResponse(
-            content=join_content(content, reasoning is not None),
-            reasoning=reasoning,
-            calls=calls,
-            unparsed=unparsed,
-        )
 
     @staticmethod
-    def _add(
-        function: str, raw: str, calls: list[ParsedToolCall], unparsed: list[UnparsedToolCall]
-    ) -> None:
+    def _add(function: str, raw: str, found: Found) -> None:
         parsed = _parse_function(function)
         if isinstance(parsed, str):
-            unparsed.append(UnparsedToolCall(raw=raw, error=parsed))
+            found.unparsed.append(UnparsedToolCall(raw=raw, error=parsed))
         else:
-            calls.append(parsed)
+            found.calls.append(parsed)
 
-    def _parse_block(
-        self,
-        inner: str,
-        raw: str,
-        closed: bool,
-        at_end: bool,
-        calls: list[ParsedToolCall],
-        unparsed: list[UnparsedToolCall],
-    ) -> None:
+    def _parse_block(self, inner: str, raw: str, closed: bool, at_end: bool, found: Found) -> None:
         first = inner.find(FUNCTION_START)
         if first == -1:
             if not closed:
                 error = truncated(TOOL_CALL_END, "") if at_end else NOT_CLOSED
-                unparsed.append(UnparsedToolCall(raw=raw.rstrip(), error=error))
+                found.unparsed.append(UnparsedToolCall(raw=raw.rstrip(), error=error))
                 return
             parsed = call_from_json(inner)
             if isinstance(parsed, str):
                 error = f"no {FUNCTION_START}NAME> in tool call ({parsed})"
-                unparsed.append(UnparsedToolCall(raw=raw, error=error))
+                found.unparsed.append(UnparsedToolCall(raw=raw, error=error))
             else:
-                calls.append(parsed)
+                found.calls.append(parsed)
             return
         starts = []
         at = first
@@ -280,17 +241,14 @@ class Qwen3CoderParser:
             end = inner.find(FUNCTION_END, start, limit)
             if end != -1:
                 one_raw = inner[start : end + len(FUNCTION_END)] if many else raw
-                self._add(inner[start:end], one_raw, calls, unparsed)
+                self._add(inner[start:end], one_raw, found)
             elif closed or k + 1 < len(starts):
                 # </tool_call> (or the next function) ends it: vLLM's grammar accepts this.
-                self._add(inner[start:limit], inner[start:limit] if many else raw, calls, unparsed)
+                self._add(inner[start:limit], inner[start:limit] if many else raw, found)
             else:
                 piece = inner[start:].rstrip() if many else raw.rstrip()
                 error = truncated(FUNCTION_END, "") if at_end else NOT_CLOSED
-                unparsed.append(UnparsedToolCall(raw=piece, error=error))
-
-    def tool_results(self, added_text: str) -> list[str]:
-        return tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+                found.unparsed.append(UnparsedToolCall(raw=piece, error=error))
 
 
 # ---------------------------------------------------------------------------------------------

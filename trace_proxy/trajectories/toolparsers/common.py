@@ -8,7 +8,8 @@ closing marker never came (a length-limited generation), invalid JSON, a missing
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 
@@ -182,3 +183,39 @@ def call_from_json(payload: str) -> ParsedToolCall | str:
         args = {k: v for k, v in obj.items() if k != "name"}
     # A string is kept as written (a model that wrote its arguments as a JSON string).
     return ParsedToolCall(name=name, arguments=args if isinstance(args, str) else dumps(args))
+
+
+@dataclass(slots=True)
+class Found:
+    """What a scan of a response body finds, in order: the text between calls, and the calls."""
+
+    content: list[str] = field(default_factory=list)
+    calls: list[ParsedToolCall] = field(default_factory=list)
+    unparsed: list[UnparsedToolCall] = field(default_factory=list)
+
+
+class ChatMLParser(ABC):
+    """The frame hermes and qwen3_coder share, so that they differ only in how calls are written:
+    end-of-turn tokens and `<think>` reasoning come off first, and results are the
+    `<tool_response>` blocks of a user turn."""
+
+    name: str
+
+    def parse_response(self, text: str) -> ParsedResponse:
+        text = strip_end_markers(text, CHATML_END_MARKERS)
+        reasoning, body = split_reasoning(text, TOOL_CALL_START)
+        found = Found()
+        self.scan(body, found)
+        return ParsedResponse(
+            content=join_content(found.content, reasoning is not None),
+            reasoning=reasoning,
+            calls=found.calls,
+            unparsed=found.unparsed,
+        )
+
+    @abstractmethod
+    def scan(self, body: str, found: Found) -> None:
+        """Add the text between calls and each call, parsed or not, to `found`."""
+
+    def tool_results(self, added_text: str) -> list[str]:
+        return tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
