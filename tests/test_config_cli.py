@@ -137,3 +137,10 @@ def test_an_option_value_may_begin_with_a_dash() -> None:
     assert settings.register_upstreams
     # a value that is itself an option is still a missing value
     assert run_cli("serve", "--admin-token", "--register-upstreams").returncode == 2
+
+
+def test_every_backend_name_has_a_factory_and_every_factory_a_name() -> None:
+    from trace_proxy.config import BACKEND_NAMES
+    from trace_proxy.exporters import BACKENDS
+
+    assert sorted(BACKEND_NAMES) == sorted(BACKENDS)

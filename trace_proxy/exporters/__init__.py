@@ -1,4 +1,5 @@
-"""Backends that closed trajectories are exported to. Adding one = a module + a line here."""
+"""Backends that closed trajectories are exported to. Adding one = a module, a line here and
+its name in `config.BACKEND_NAMES`."""
 
 from __future__ import annotations
 
@@ -47,10 +48,6 @@ BACKENDS: dict[str, ExporterFactory] = {
     "mlflow": _mlflow,
     "weave": _weave,
 }
-
-
-def known_backends() -> list[str]:
-    return sorted(BACKENDS)
 
 
 def create_exporters(settings: Settings) -> list[Exporter]:
