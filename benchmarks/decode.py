@@ -32,9 +32,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer, load_qwen_tokenizer
 from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.keys import KeyHints
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory
 from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser

@@ -17,12 +17,13 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from trace_proxy.capture.dialects.common import decode_request
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.metadata import KeyHints, MetadataResolver, parse_mapping
+from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories import assembler as assembler_module
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.gate import SamplingGate
+from trace_proxy.trajectories.keys import KeyHints, parse_mapping
 from trace_proxy.trajectories.prompts import (
     common_prefix,
     expand_prompts,

@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 
-from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.show import show
 from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.keys import KeyHints
 from trace_proxy.trajectories.record import Trajectory
 
 T0 = 1_700_000_000.0

@@ -31,13 +31,7 @@ from proxy_helpers import running_proxy, scripted_upstream, trajectories
 from trace_proxy.capture.control import EVENTS
 from trace_proxy.capture.dialects import DIALECTS
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.metadata import (
-    HEADER_NAMES,
-    KeyHints,
-    MetadataResolver,
-    parse_mapping,
-    split_rollout_prefix,
-)
+from trace_proxy.capture.metadata import MetadataResolver, split_rollout_prefix
 from trace_proxy.capture.sse import iter_data
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.config import Settings
@@ -45,6 +39,7 @@ from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.keys import HEADER_NAMES, KeyHints, parse_mapping
 from trace_proxy.trajectories.record import GenerateCall, Record, StepEvent, Trajectory, dumps
 from trace_proxy.trajectories.sampler import sample_hash, sampler_of
 

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from trace_proxy.capture.metadata import KeyHints
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.keys import KeyHints
 from trace_proxy.trajectories.record import (
     GenerateCall,
     Output,

@@ -12,12 +12,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from test_sampling_order import KEEP, SEED, schedules
 
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.ledger import Custody, Ledger
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.gate import SamplingGate
+from trace_proxy.trajectories.ledger import Custody, Ledger
 from trace_proxy.trajectories.record import Record
 from trace_proxy.trajectories.sampler import Policy, Sampler
 

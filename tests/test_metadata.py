@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 from multidict import CIMultiDict
 
-from trace_proxy.capture.metadata import MetadataResolver, parse_mapping, split_rollout_prefix
+from trace_proxy.capture.metadata import MetadataResolver, split_rollout_prefix
+from trace_proxy.trajectories.keys import parse_mapping
 
 DEFAULT_RULES = [parse_mapping("header:X-Session-ID=trajectory_id")]
 

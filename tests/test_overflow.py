@@ -12,7 +12,6 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from test_capture_process import _fields, _Transport
 
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.overflow import Overflow, OverflowLost
 from trace_proxy.capture.stage import CaptureStage
@@ -20,6 +19,7 @@ from trace_proxy.capture.wire import HEAD, Frame, FrameReader, LongFrame, encode
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.gate import SamplingGate
+from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.record import Record, Trajectory, ids_list
 from trace_proxy.trajectories.sampler import Policy, Sampler
 

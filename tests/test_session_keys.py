@@ -11,7 +11,8 @@ import pytest
 from multidict import CIMultiDict
 from proxy_helpers import running_proxy, trajectories
 
-from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
+from trace_proxy.capture.metadata import MetadataResolver
+from trace_proxy.trajectories.keys import parse_mapping
 
 SESSIONS = r"path:strip=/^/sessions/(?P<trajectory_id>[^/]+)/"
 PROMPT = [151644, 872, 198, 9707, 1879, 151645, 198, 151644, 77091, 198, 40, 2776, 264, 1273]

@@ -261,7 +261,7 @@ def _backends(value: Any) -> str:
 
 
 def _mapping(value: Any) -> str:
-    from trace_proxy.capture.metadata import parse_mapping
+    from trace_proxy.trajectories.keys import parse_mapping
 
     text = parse_str(value)
     parse_mapping(text)  # validate now; the capture stage parses it again when it starts

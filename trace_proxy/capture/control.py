@@ -42,7 +42,6 @@ EVENTS: dict[str, str] = {
     "/update_weights_from_tensor": "weight_update",
     "/update_weights_from_ipc": "weight_update",
 }
-WEIGHT_UPDATE_EVENTS = frozenset({"weight_update", "weight_update_finish", "weight_version"})
 MAX_PARAM_CHARS = 256
 
 

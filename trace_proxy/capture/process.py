@@ -47,8 +47,7 @@ import orjson
 from prometheus_client import generate_latest
 
 from trace_proxy.capture.exchange import MARKS_BYTES, REFUSED, Exchange, dropped_mark
-from trace_proxy.capture.ledger import Custody, Unsettled
-from trace_proxy.capture.metadata import KeyHints, MetadataResolver, parse_mapping
+from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.recorder import Recorder
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.wire import FrameReader, LongFrame, encode_control, encode_exchange
@@ -56,6 +55,8 @@ from trace_proxy.child import Helper, Started, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.lifeline import Lifeline
 from trace_proxy.metrics import Metrics, RelayedMetrics
+from trace_proxy.trajectories.keys import KeyHints, parse_mapping
+from trace_proxy.trajectories.ledger import Custody, Unsettled
 from trace_proxy.trajectories.rewards import RewardError
 from trace_proxy.trajectories.sampler import (
     DECIDED_STEPS,

@@ -18,8 +18,7 @@ from typing import Any
 import aiohttp
 
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.ledger import Ledger
-from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
+from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.overflow import Overflow
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.child import proxy_pid
@@ -36,6 +35,8 @@ from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
+from trace_proxy.trajectories.keys import parse_mapping
+from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.rewards import Outcome, parse_outcome
 from trace_proxy.trajectories.sampler import StepDecision, sampler_of
 from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured

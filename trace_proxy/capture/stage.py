@@ -23,8 +23,7 @@ from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
 from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
 from trace_proxy.capture.exchange import Exchange, dropped_mark
-from trace_proxy.capture.ledger import Ledger
-from trace_proxy.capture.metadata import KeyHints, MetadataResolver
+from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.overflow import Overflow, OverflowLost
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.sessions import ended_session
@@ -32,6 +31,8 @@ from trace_proxy.capture.wire import LongFrame
 from trace_proxy.logtext import printable
 from trace_proxy.metrics import Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
+from trace_proxy.trajectories.keys import KeyHints
+from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.record import GenerateCall, ToolCall
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
 
-from trace_proxy.capture.ledger import Ledger
 from trace_proxy.exporters.spool import SpoolBusy, SpoolFull, SpoolWriter, acquire, backlog
 from trace_proxy.metrics import Metrics
+from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.record import Record, dumps
 
 log = logging.getLogger(__name__)

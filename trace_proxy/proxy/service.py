@@ -28,7 +28,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from trace_proxy.capture.metadata import MetadataResolver, parse_mapping
+from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.process import CaptureProcess
 from trace_proxy.capture.recorder import Recorder
 from trace_proxy.config import ConfigError, Settings
@@ -44,6 +44,7 @@ from trace_proxy.proxy.upstreams import (
     Upstream,
     UpstreamPool,
 )
+from trace_proxy.trajectories.keys import parse_mapping
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
 from trace_proxy.trajectories.sampler import DecisionError, parse_decision
 from trace_proxy.trajectories.token2text import check_configured

@@ -19,14 +19,14 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
-from trace_proxy.capture.ledger import Ledger
-from trace_proxy.capture.metadata import MAX_VALUE_LEN, KeyHints
 from trace_proxy.storenames import store_name
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import MAPPED_SOURCE, TrafficInference
+from trace_proxy.trajectories.keys import MAX_VALUE_LEN, KeyHints
+from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
 from trace_proxy.trajectories.record import (
+    WEIGHT_UPDATE_EVENTS,
     GenerateCall,
     IdsText,
     Record,

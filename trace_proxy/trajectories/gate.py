@@ -18,7 +18,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from trace_proxy.capture.ledger import Ledger
+from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.record import (
     Annotation,
     Record,

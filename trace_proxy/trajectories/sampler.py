@@ -32,10 +32,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from trace_proxy.config import Settings
+from typing import Any, Protocol
 
 HASH_SPACE = float(1 << 64)
 DECIDED_STEPS = 4096  # steps whose selection late samples are judged against
@@ -206,7 +203,17 @@ class Sampler:
             self._decided.popitem(last=False)
 
 
-def sampler_of(settings: Settings) -> Sampler:
+class SamplingSettings(Protocol):
+    """The options a sampler is made of (the proxy's `Settings` has them)."""
+
+    sample_seed: int
+    max_samples_per_step: int | None
+    sample_rate: float | None
+    validate_max_samples_per_step: int | None
+    validate_sample_rate: float | None
+
+
+def sampler_of(settings: SamplingSettings) -> Sampler:
     """The sampler the settings describe (training and validation policies)."""
     return Sampler(
         settings.sample_seed,
