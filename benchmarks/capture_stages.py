@@ -51,11 +51,11 @@ from benchlib.frames import sent_by_another_process  # noqa: E402
 
 import trace_proxy.capture.stage as stage_module  # noqa: E402
 from trace_proxy.capture.exchange import Exchange  # noqa: E402
-from trace_proxy.capture.recorder import Recorder  # noqa: E402
 from trace_proxy.capture.wire import FrameReader, LongFrame  # noqa: E402
-from trace_proxy.child import tune_gc, tune_malloc  # noqa: E402
 from trace_proxy.config import Settings  # noqa: E402
 from trace_proxy.metrics import Metrics  # noqa: E402
+from trace_proxy.processes.helper import tune_gc, tune_malloc  # noqa: E402
+from trace_proxy.processes.recorder import Recorder  # noqa: E402
 from trace_proxy.trajectories.assembler import Assembler  # noqa: E402
 
 EXCHANGES = {1024: 2048, 8192: 1024, 32768: 256}  # per round: whole trajectories, some steps

@@ -26,7 +26,6 @@ from proxy_helpers import children, gone, metric, running_proxy, trajectories
 from test_lifecycle import start_serve
 
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.process import CaptureProcess
 from trace_proxy.capture.wire import (
     HEAD,
     OWN_BUFFER_FROM,
@@ -34,6 +33,7 @@ from trace_proxy.capture.wire import (
     encode_control,
     encode_exchange,
 )
+from trace_proxy.processes.capture import CaptureProcess
 from trace_proxy.show import iter_records, show
 
 GUARD = 60

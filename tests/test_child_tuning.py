@@ -12,7 +12,7 @@ import pytest
 # prints the page faults taken.
 COPIES = """
 import resource, sys
-from trace_proxy.child import tune_malloc
+from trace_proxy.processes.helper import tune_malloc
 if sys.argv[1] == "tuned":
     tune_malloc()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

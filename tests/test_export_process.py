@@ -16,7 +16,7 @@ import pytest
 from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.config import ConfigError
-from trace_proxy.exporters.process import ExportProcess
+from trace_proxy.processes.export import ExportProcess
 from trace_proxy.show import iter_records
 
 

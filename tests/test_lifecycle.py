@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 from proxy_helpers import children, closed_port, gone, scripted_upstream, trajectories
 
-from trace_proxy.lifeline import ORPHAN_SLACK
+from trace_proxy.processes.lifeline import ORPHAN_SLACK
 
 GUARD = 30
 

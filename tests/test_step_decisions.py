@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 from proxy_helpers import metric, running_proxy, trajectories
 
-from trace_proxy.capture.process import CaptureProcess
+from trace_proxy.processes.capture import CaptureProcess
 from trace_proxy.show import show
 from trace_proxy.trajectories.sampler import Policy, Sampler, sample_hash
 from trace_proxy.ui.index import StoreIndex

@@ -19,10 +19,10 @@ import pytest
 from aiohttp import web
 from proxy_helpers import metric, running_proxy, scripted_upstream, trajectories
 
-from trace_proxy.capture import recorder as recorder_module
 from trace_proxy.capture import stage as stage_module
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+from trace_proxy.processes import recorder as recorder_module
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.trajectories.prompts import expand_prompts
 from trace_proxy.trajectories.token2text import TokenizerError

@@ -225,7 +225,7 @@ def test_the_core_never_imports_verl_or_the_integration() -> None:
     import sys
 
     code = (
-        "import sys, trace_proxy.cli, trace_proxy.proxy.service, trace_proxy.capture.recorder;"
+        "import sys, trace_proxy.cli, trace_proxy.proxy.service, trace_proxy.processes.recorder;"
         "import trace_proxy.integrations.verl;"  # the class path verl loads: still no verl
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('verl', 'ray', 'torch')"
         " or m.startswith('trace_proxy.integrations.verl.')))"

@@ -111,7 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Our own messages at the chosen level; libraries' chatter only when it is a warning.
     configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s", settings.log_level)
     if command == "serve":
-        from trace_proxy.child import tune_malloc
+        from trace_proxy.processes.helper import tune_malloc
 
         tune_malloc()  # the forwarder copies long bodies too, as its helpers do
         return _run(_serve(settings))

@@ -15,7 +15,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from benchlib.workload import PATH, build_turns, rollout_headers
 from trace_proxy.capture import wire
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.capture.process import SOCKET_BUFFER
+from trace_proxy.processes.capture import SOCKET_BUFFER
 
 SAMPLES = 64  # distinct rollouts a step; the step changes every SAMPLES trajectories
 

@@ -2,12 +2,12 @@
 
 A closed trajectory goes into a bounded memory queue; a writer thread appends it to the durable
 spool (`spool.py`); the exporters read the spool, in this process (`ExportRunner`) or in an
-export process of their own (`process.py`), so export work never competes with forwarding for
-the interpreter. A record is dropped only when the memory queue is full while the spool cannot
-take more (counted in `trace_proxy_spool_dropped`), when it cannot be written as JSON at all (a
-bug; counted there as `unencodable`, so it never stops the writer and the records after it), or
-when the spool's disk budget deletes it before a backend had it (counted per backend in
-`trace_proxy_export_dropped`).
+export process of their own (`processes/export.py`), so export work never competes with
+forwarding for the interpreter. A record is dropped only when the memory queue is full while
+the spool cannot take more (counted in `trace_proxy_spool_dropped`), when it cannot be written
+as JSON at all (a bug; counted there as `unencodable`, so it never stops the writer and the
+records after it), or when the spool's disk budget deletes it before a backend had it (counted
+per backend in `trace_proxy_export_dropped`).
 
 Neither the spool nor the exporters are waited for at start: records queue in memory while the
 spool's lock is awaited (a leftover of a killed proxy may still hold it), and wait in the spool

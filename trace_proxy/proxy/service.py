@@ -29,12 +29,12 @@ from aiohttp.typedefs import Handler, Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from trace_proxy.capture.metadata import MetadataResolver
-from trace_proxy.capture.process import CaptureProcess
-from trace_proxy.capture.recorder import Recorder
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.spool import SpoolBusy, check_not_in_use
 from trace_proxy.metrics import Metrics, exposition
+from trace_proxy.processes.capture import CaptureProcess
+from trace_proxy.processes.recorder import Recorder
 from trace_proxy.proxy.forward import Forwarder
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, LimitedServer, Rejections
 from trace_proxy.proxy.upstream_client import UpstreamClient

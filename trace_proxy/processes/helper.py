@@ -34,10 +34,10 @@ from typing import Any
 
 import orjson
 
-from trace_proxy import lifeline
 from trace_proxy.config import ConfigError
-from trace_proxy.lifeline import TERM_BOUND, Lifeline
 from trace_proxy.logtext import configure_logging
+from trace_proxy.processes import lifeline
+from trace_proxy.processes.lifeline import TERM_BOUND, Lifeline
 from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,7 @@ def spawner() -> _Spawner:
         return _spawner
 
 
-class ChildProcess:
+class HelperProcess:
     """A started helper: its pid, its exit (awaitable), and signals to it."""
 
     def __init__(self, popen: subprocess.Popen[bytes], loop: asyncio.AbstractEventLoop) -> None:
@@ -149,7 +149,7 @@ def _retrieved(future: asyncio.Future[Any]) -> None:
 
 async def spawn(
     module: str, payload: Any, *, limit: int = 1 << 24, buffer_bytes: int | None = None
-) -> tuple[ChildProcess, asyncio.StreamReader, asyncio.StreamWriter]:
+) -> tuple[HelperProcess, asyncio.StreamReader, asyncio.StreamWriter]:
     """Start `module`'s child with `payload`; its socket as a reader and a writer."""
     ours, theirs = socket.socketpair()
     if buffer_bytes is not None:  # fewer round trips through user space for large frames
@@ -165,12 +165,12 @@ async def spawn(
     finally:
         theirs.close()
     lifeline.adopt(popen.pid)
-    process = ChildProcess(popen, asyncio.get_running_loop())
+    process = HelperProcess(popen, asyncio.get_running_loop())
     reader, writer = await asyncio.open_connection(sock=ours, limit=limit)
     return process, reader, writer
 
 
-async def reap(process: ChildProcess | None, writer: asyncio.StreamWriter | None,
+async def reap(process: HelperProcess | None, writer: asyncio.StreamWriter | None,
                grace: float = 10.0) -> None:  # fmt: skip
     """Close our end, give the child `grace` seconds to leave, then SIGTERM (it leaves within
     TERM_BOUND), then kill it."""
@@ -275,7 +275,7 @@ def tune_malloc() -> None:
     mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
 
 
-def run_child(
+def run_helper(
     serve: Callable[[Lifeline], Coroutine[Any, Any, None]],
     started: Started,
     *,
@@ -332,7 +332,7 @@ class Helper:
         self._ready: asyncio.Future[None] | None = None
         self._stopped: asyncio.Future[None] | None = None
         self._writer: asyncio.StreamWriter | None = None
-        self._process: ChildProcess | None = None
+        self._process: HelperProcess | None = None
         self._supervisor: asyncio.Task[None] | None = None
         self._stopping = False
         self.state = "not started"  # starting, ready, restarting, failed, stopped

@@ -48,13 +48,13 @@ from prometheus_client import generate_latest
 
 from trace_proxy.capture.exchange import MARKS_BYTES, REFUSED, Exchange, dropped_mark
 from trace_proxy.capture.metadata import MetadataResolver
-from trace_proxy.capture.recorder import Recorder
 from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.capture.wire import FrameReader, LongFrame, encode_control, encode_exchange
-from trace_proxy.child import Helper, Started, receive_payload, run_child
 from trace_proxy.config import ConfigError, Settings
-from trace_proxy.lifeline import Lifeline
 from trace_proxy.metrics import Metrics, RelayedMetrics
+from trace_proxy.processes.helper import Helper, Started, receive_payload, run_helper
+from trace_proxy.processes.lifeline import Lifeline
+from trace_proxy.processes.recorder import Recorder
 from trace_proxy.trajectories.keys import KeyHints, parse_mapping
 from trace_proxy.trajectories.ledger import Custody, Unsettled
 from trace_proxy.trajectories.rewards import RewardError
@@ -323,7 +323,7 @@ def main(fd: int) -> None:
     """Entry point of the capture process: `fd` is its end of the socket pair."""
     started = receive_payload(fd)
     settings: Settings = started.payload
-    run_child(
+    run_helper(
         functools.partial(_serve, started),
         started,
         name="capture process",
@@ -333,7 +333,7 @@ def main(fd: int) -> None:
     )
 
 
-class _Child:
+class _HelperSide:
     """The capture process's loop: frames in, the recorder, answers and status out."""
 
     def __init__(self, recorder: Recorder, reader: FrameReader) -> None:
@@ -495,7 +495,7 @@ async def _serve(started: Started, life: Lifeline) -> None:
         transport.close()  # after what is buffered has been written
         await reader.closed
         return
-    child = _Child(recorder, reader)
+    child = _HelperSide(recorder, reader)
     life.holding()
     child.send({"op": "ready"})
     child.send_status()

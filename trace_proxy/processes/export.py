@@ -40,7 +40,12 @@ import aiohttp
 import orjson
 from prometheus_client import generate_latest
 
-from trace_proxy.child import (
+from trace_proxy.config import ConfigError, Settings
+from trace_proxy.exporters.base import Exporter
+from trace_proxy.exporters.runner import ExportRunner
+from trace_proxy.exporters.spool import SpoolBusy
+from trace_proxy.metrics import ExportMetrics, Metrics, RelayedMetrics
+from trace_proxy.processes.helper import (
     PER_THREAD_PRIORITY,
     Helper,
     Started,
@@ -48,14 +53,9 @@ from trace_proxy.child import (
     name_thread,
     proxy_pid,
     receive_payload,
-    run_child,
+    run_helper,
 )
-from trace_proxy.config import ConfigError, Settings
-from trace_proxy.exporters.base import Exporter
-from trace_proxy.exporters.runner import ExportRunner
-from trace_proxy.exporters.spool import SpoolBusy
-from trace_proxy.lifeline import Lifeline, leftover_wait
-from trace_proxy.metrics import ExportMetrics, Metrics, RelayedMetrics
+from trace_proxy.processes.lifeline import Lifeline, leftover_wait
 from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
 from trace_proxy.trajectories.toolparsers import get_parser
@@ -194,7 +194,7 @@ def main(fd: int) -> None:
     """Entry point of the export process: `fd` is its end of the socket pair."""
     started = receive_payload(fd)
     settings, _ = started.payload
-    run_child(
+    run_helper(
         functools.partial(_serve, started),
         started,
         name="export process",

@@ -1,5 +1,5 @@
 """Everything after the tap, in one object: capture stage → assembler → sampling gate → spool
-→ exports. It runs in the capture process (`capture/process.py`), or inline in the proxy's
+→ exports. It runs in the capture process (`capture.py`), or inline in the proxy's
 process when exporter objects are handed to the proxy (tests, embedding) or
 `--capture-mode inline` asks for it. The forwarder only sees `admit` and `submit`.
 
@@ -21,16 +21,16 @@ from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.overflow import Overflow
 from trace_proxy.capture.stage import CaptureStage
-from trace_proxy.child import proxy_pid
 from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters import create_exporters
 from trace_proxy.exporters.base import Exporter
 from trace_proxy.exporters.pipeline import ExportPipeline, Exports
-from trace_proxy.exporters.process import ExportProcess
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolBusy, SpoolWriter
-from trace_proxy.lifeline import leftover_wait
 from trace_proxy.metrics import ExportMetrics, Metrics, children
+from trace_proxy.processes.export import ExportProcess
+from trace_proxy.processes.helper import proxy_pid
+from trace_proxy.processes.lifeline import leftover_wait
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
