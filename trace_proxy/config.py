@@ -6,6 +6,9 @@ all derived from that declaration, so the three can never disagree. Precedence: 
 environment > config file > default. A bad value raises `ConfigError` naming the option.
 """
 
+# Each `Settings` field's default is `option(...)`, a dataclass `field` built once at import.
+# ruff: noqa: RUF009
+
 from __future__ import annotations
 
 import argparse
@@ -14,7 +17,7 @@ import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -229,9 +232,8 @@ def parse_name(value: Any) -> str:
 
 @dataclass(frozen=True)
 class Option:
-    """One setting: its name (snake_case), parser, default and help text."""
+    """One setting: its name (snake_case, the `Settings` field's), parser, default and help."""
 
-    name: str
     parse: Callable[[Any], Any]
     default: Any
     help: str
@@ -239,6 +241,7 @@ class Option:
     switch: bool = False  # `--name` alone turns it on
     metavar: str | None = None
     commands: tuple[str, ...] = ("serve",)
+    name: str = ""
 
     @property
     def flag(self) -> str:
@@ -247,6 +250,16 @@ class Option:
     @property
     def env(self) -> str:
         return ENV_PREFIX + self.name.upper()
+
+
+def option(parse: Callable[[Any], Any], default: Any, help: str, **how: Any) -> Any:
+    """A `Settings` field that is an option (see `Option`); a list default is copied for each
+    `Settings`, as a dataclass field's must be."""
+    spec = Option(parse, default, help, **how)
+    metadata = {"option": spec}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 # The backends a proxy can export to (trace_proxy/exporters/ has a factory for each).
@@ -268,203 +281,207 @@ def _mapping(value: Any) -> str:
     return text
 
 
-OPTIONS: tuple[Option, ...] = (
-    Option("upstream", parse_upstream, [], "inference server to forward to (repeat for several; "
-           "calls of one trajectory stick to one upstream)", multiple=True, metavar="URL"),
-    Option("register_upstreams", parse_flag, False, "let holders of --admin-token register "
-           "upstreams on the admin port (PUT /upstreams/ID with {\"url\": \"http://IP:PORT\"}); "
-           "a request names one with X-Trace-Proxy-Upstream: ID, and only those ids are "
-           "reachable (verl's plugin registers its servers this way)", switch=True),
-    Option("host", parse_host, "127.0.0.1", "address to listen on (loopback unless told)",
-           commands=("serve",)),
-    Option("port", parse_port, 8100, "port to listen on (0 picks a free one)"),
-    Option("admin_port", parse_port, 8101, "port of the admin endpoints (/metrics, /health, "
-           "/ready) on the same host; 0 picks a free one"),
-    Option("admin_token", parse_str, None, "if set, every admin route that changes state "
-           "(POST /rewards) needs 'Authorization: Bearer <token>'", metavar="TOKEN"),
-    Option("backend", _backends, ["jsonl"], "where closed trajectories go "
-           "(comma-separated or repeated)", multiple=True, metavar="NAME",
-           commands=("serve", "demo")),
-    Option("output", Path, Path("traces"), "directory of the jsonl store",
-           metavar="DIR", commands=("serve", "demo")),
-    Option("project", parse_name, "default", "project name of the records",
-           commands=("serve", "demo")),
-    Option("experiment", parse_name, "default",
-           "experiment name when a request does not name one", commands=("serve", "demo")),
-    Option("connect_timeout", parse_seconds, 10.0, "seconds to connect to an upstream",
-           metavar="SECONDS"),
-    Option("read_timeout", parse_optional_seconds, None, "seconds an upstream may stay silent "
-           "mid-response (default: no limit; generations run for minutes)", metavar="SECONDS"),
-    Option("client_header_timeout", parse_optional_seconds, 60.0, "seconds a client may take "
-           "to send a request's line and headers, from their first byte (from connecting, for "
-           "a connection's first request); then 408 and the connection is closed (off: no "
-           "limit)", metavar="SECONDS"),
-    Option("client_body_timeout", parse_optional_seconds, 300.0, "seconds a client may take "
-           "to send a request's body once its headers are in; then 408 and the connection is "
-           "closed (off: no limit). Responses are never timed: they stream for as long as the "
-           "upstream generates", metavar="SECONDS"),
-    Option("max_header_size", parse_size, 8190, "longest request line or header line, in "
-           "bytes; a longer one is answered 431 and not forwarded", metavar="SIZE"),
-    Option("max_headers", parse_count, 128, "most header lines in a request; more are "
-           "answered 431 and not forwarded", metavar="N"),
-    Option("idle_timeout", parse_seconds, 300.0,
-           "close a trajectory after this many seconds without a call", metavar="SECONDS"),
-    Option("step_close_grace", parse_optional_seconds, 5.0, "when a later step starts, close "
-           "the earlier step's trajectories once idle this long (asynchronous rollouts can "
-           "outlive a weight update; 0: at once)", metavar="SECONDS"),
-    Option("shutdown_grace", parse_seconds, 30.0, "on SIGTERM/SIGINT, seconds to let in-flight "
-           "requests finish before records are flushed, and then for the backends to catch up; "
-           "helper processes whose proxy was killed finish within it", metavar="SECONDS"),
-    Option("map", _mapping, ["header:X-Session-ID=trajectory_id"],
-           "take a key field from what clients already send: SOURCE:NAME=FIELD or "
-           "SOURCE:NAME=/REGEX with named groups/; SOURCE is header or body; or "
-           "path:strip=/REGEX/ (a key in the URL path, removed before forwarding) or "
-           "path:keep=/REGEX/ (forwarded as it came) (repeatable)",
-           multiple=True, metavar="RULE"),
-    Option("token2text", parse_flag, False, "decode token ids to text (prompt_text, "
-           "response_text, transcript) for recorded trajectories, off the forwarding path",
-           switch=True, commands=("serve", "demo")),
-    Option("tokenizer", parse_tokenizer, [], "tokenizer for token2text: a local path or a name "
-           "in the Hugging Face cache, or MODEL=PATH per served model (repeatable; default: ask "
-           "the upstream for its model path)", multiple=True, metavar="PATH",
-           commands=("serve", "demo")),
-    Option("skip_special_tokens", parse_flag, False, "drop special tokens from decoded text "
-           "(kept by default, as verl does)", switch=True, commands=("serve", "demo")),
-    Option("tool_parser", _tool_parser, "hermes", "how tool calls are written in decoded text: "
-           "hermes (Qwen2.5/Qwen3), qwen3_coder or gpt_oss", metavar="NAME",
-           commands=("serve", "demo")),
-    Option("tool_route", parse_tool_route, [], "forward /PREFIX/... to an HTTP tool server and "
-           "record each call as a tool span: PREFIX=URL (repeatable)", multiple=True,
-           metavar="PREFIX=URL"),
-    Option("max_samples_per_step", parse_optional_count, None, "keep the N samples of each "
-           "training step with the smallest keyed hash, with all their rollouts (none: keep all; "
-           "0: none)", metavar="N"),
-    Option("sample_rate", parse_optional_fraction, None, "keep a sample when its keyed hash is "
-           "below P (no buffering; instead of --max-samples-per-step)", metavar="P"),
-    Option("validate_max_samples_per_step", parse_optional_count, None,
-           "--max-samples-per-step for validation steps", metavar="N"),
-    Option("validate_sample_rate", parse_optional_fraction, None,
-           "--sample-rate for validation steps", metavar="P"),
-    Option("sample_seed", parse_int, 0, "key of the sampling hash: the same seed keeps the same "
-           "samples on every replica and after a restart", metavar="S"),
-    Option("otlp_endpoint", parse_upstream, "http://127.0.0.1:4318/v1/traces", "OTLP/HTTP "
-           "traces endpoint of the otlp backend", metavar="URL", commands=("serve", "demo")),
-    Option("otlp_header", parse_str, [], "header sent with every OTLP export, NAME=VALUE "
-           "(repeatable; e.g. authorization)", multiple=True, metavar="NAME=VALUE",
-           commands=("serve", "demo")),
-    Option("mlflow_tracking_uri", parse_str, None, "tracking URI of the mlflow backend (default: "
-           "MLFLOW_TRACKING_URI, else sqlite under --output)", metavar="URI",
-           commands=("serve", "demo")),
-    Option("mlflow_run", parse_str, None, "MLflow run the traces are linked to: a run id, or a "
-           "run name found or created in the experiment (default: the experiment name)",
-           metavar="RUN", commands=("serve", "demo")),
-    Option("trackio_dir", Path, None, "where the trackio backend keeps its database (default: "
-           "TRACKIO_DIR, else trackio's own default)", metavar="DIR", commands=("serve", "demo")),
-    Option("weave_entity", parse_str, None, "W&B entity the weave backend logs to, in the Weave "
-           "project named by --project (default: WANDB_ENTITY; the key is WANDB_API_KEY)",
-           metavar="ENTITY", commands=("serve", "demo")),
-    Option("capture_mode", parse_process_mode, "process", "parse and assemble in a process of "
-           "their own (process), so forwarding never waits behind a long prompt's parsing, or "
-           "in the proxy's (inline)", metavar="MODE", commands=("serve", "demo")),
-    Option("capture_priority", parse_priority, "low", "CPU priority of the capture "
-           "process: low (nice 19: forwarding has the cores first; while they are saturated "
-           "the backlog grows to --capture-queue-bytes, then on disk to "
-           "--capture-overflow-bytes, then exchanges are counted as dropped), "
-           "normal (recording keeps up on saturated cores, at a cost to forwarding's latency "
-           "and throughput) or idle", metavar="PRIORITY", commands=("serve", "demo")),
-    Option("capture_queue", parse_int, 10000, "exchanges waiting to be parsed (inline: before "
-           "new ones are counted as dropped; in the capture process: before it stops reading)",
-           metavar="N"),
-    Option("capture_max_body", parse_size, 128 << 20, "request and response body bytes of one "
-           "exchange kept for recording; past it the call is recorded without its bodies, as "
-           "unparsed with the reason (the bytes are forwarded all the same)", metavar="SIZE"),
-    Option("capture_queue_bytes", parse_size, 512 << 20, "bytes of request and response bodies "
-           "waiting to be parsed in memory before new exchanges wait on disk (see "
-           "capture_overflow_bytes), then are counted as dropped "
-           "(capture_queue_bytes; with a capture process, half wait in the proxy's buffer and "
-           "half in its queue); bounds memory when prompts are long", metavar="SIZE"),
-    Option("capture_overflow_bytes", parse_size, 2 << 30, "disk budget, in the spool's "
-           "directory, for exchanges the capture process cannot hold in its queue while parsing "
-           "is behind: they wait there in order and are parsed as the load eases, instead of "
-           "being dropped; past it the backlog waits in the proxy's buffer, then is dropped and "
-           "counted (0: never on disk)", metavar="SIZE", commands=("serve", "demo")),
-    Option("spool_dir", Path, None, "where closed trajectories wait on disk until every backend "
-           "has them (default: OUTPUT/.spool)", metavar="DIR", commands=("serve", "demo")),
-    Option("spool_max_bytes", parse_size, 1 << 30, "disk budget of the spool; past it the "
-           "oldest records are deleted and counted as dropped (spool_full) for the backends that "
-           "did not have them yet", metavar="SIZE", commands=("serve", "demo")),
-    Option("spool_fsync", parse_seconds, 1.0, "at most this many seconds of spooled records "
-           "can be lost to a power failure (a process crash loses none)", metavar="SECONDS"),
-    Option("export_queue", parse_int, 10000, "records kept in memory while the spool cannot "
-           "take them, before new ones are counted as dropped", metavar="N"),
-    Option("export_mode", parse_process_mode, "process", "run the exporters in their own process "
-           "(process), so they never take CPU time from forwarding, or in the proxy's (inline)",
-           metavar="MODE", commands=("serve", "demo")),
-    Option("export_priority", parse_priority, "idle", "CPU priority of the export "
-           "process's work: idle (only CPU time nothing else wants: exporting never slows "
-           "forwarding, but waits while the cores are saturated), low (nice 19) or normal; "
-           "from SIGTERM on it exports at the proxy's priority", metavar="PRIORITY",
-           commands=("serve", "demo")),
-    Option("log_level", parse_log_level, "INFO", "debug, info, warning or error",
-           metavar="LEVEL", commands=("serve", "demo")),
-)  # fmt: skip
-
-OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
-
-
 @dataclass
 class Settings:
-    """The resolved configuration of one proxy process."""
+    """The resolved configuration of one proxy process. Each field is one option, declared
+    once: its type here, its parser, default, help text and commands in `option(...)`;
+    `OPTIONS` (the command line, the environment, config files) is read from these fields."""
 
-    upstream: list[str] = field(default_factory=list)
-    register_upstreams: bool = False
-    host: str = "127.0.0.1"
-    port: int = 8100
-    admin_port: int = 8101
-    admin_token: str | None = None
-    backend: list[str] = field(default_factory=lambda: ["jsonl"])
-    output: Path = Path("traces")
-    project: str = "default"
-    experiment: str = "default"
-    connect_timeout: float = 10.0
-    read_timeout: float | None = None
-    client_header_timeout: float | None = 60.0
-    client_body_timeout: float | None = 300.0
-    max_header_size: int = 8190
-    max_headers: int = 128
-    idle_timeout: float = 300.0
-    step_close_grace: float | None = 5.0
-    shutdown_grace: float = 30.0
-    map: list[str] = field(default_factory=lambda: ["header:X-Session-ID=trajectory_id"])
-    token2text: bool = False
-    tokenizer: list[str] = field(default_factory=list)
-    skip_special_tokens: bool = False
-    tool_parser: str = "hermes"
-    tool_route: list[str] = field(default_factory=list)
-    max_samples_per_step: int | None = None
-    sample_rate: float | None = None
-    validate_max_samples_per_step: int | None = None
-    validate_sample_rate: float | None = None
-    sample_seed: int = 0
-    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
-    otlp_header: list[str] = field(default_factory=list)
-    mlflow_tracking_uri: str | None = None
-    mlflow_run: str | None = None
-    trackio_dir: Path | None = None
-    weave_entity: str | None = None
-    capture_mode: str = "process"
-    capture_priority: str = "low"
-    capture_queue: int = 10000
-    capture_max_body: int = 128 << 20
-    capture_queue_bytes: int = 512 << 20
-    capture_overflow_bytes: int = 2 << 30
-    spool_dir: Path | None = None
-    spool_max_bytes: int = 1 << 30
-    spool_fsync: float = 1.0
-    export_queue: int = 10000
-    export_mode: str = "process"
-    export_priority: str = "idle"
-    log_level: str = "INFO"
+    # fmt: off
+    upstream: list[str] = option(
+        parse_upstream, [], "inference server to forward to (repeat for several; "
+        "calls of one trajectory stick to one upstream)", multiple=True, metavar="URL")
+    register_upstreams: bool = option(
+        parse_flag, False, "let holders of --admin-token register "
+        "upstreams on the admin port (PUT /upstreams/ID with {\"url\": \"http://IP:PORT\"}); "
+        "a request names one with X-Trace-Proxy-Upstream: ID, and only those ids are "
+        "reachable (verl's plugin registers its servers this way)", switch=True)
+    host: str = option(
+        parse_host, "127.0.0.1", "address to listen on (loopback unless told)",
+        commands=("serve",))
+    port: int = option(
+        parse_port, 8100, "port to listen on (0 picks a free one)")
+    admin_port: int = option(
+        parse_port, 8101, "port of the admin endpoints (/metrics, /health, "
+        "/ready) on the same host; 0 picks a free one")
+    admin_token: str | None = option(
+        parse_str, None, "if set, every admin route that changes state "
+        "(POST /rewards) needs 'Authorization: Bearer <token>'", metavar="TOKEN")
+    backend: list[str] = option(
+        _backends, ["jsonl"], "where closed trajectories go "
+        "(comma-separated or repeated)", multiple=True, metavar="NAME",
+        commands=("serve", "demo"))
+    output: Path = option(
+        Path, Path("traces"), "directory of the jsonl store",
+        metavar="DIR", commands=("serve", "demo"))
+    project: str = option(
+        parse_name, "default", "project name of the records",
+        commands=("serve", "demo"))
+    experiment: str = option(
+        parse_name, "default",
+        "experiment name when a request does not name one", commands=("serve", "demo"))
+    connect_timeout: float = option(
+        parse_seconds, 10.0, "seconds to connect to an upstream",
+        metavar="SECONDS")
+    read_timeout: float | None = option(
+        parse_optional_seconds, None, "seconds an upstream may stay silent "
+        "mid-response (default: no limit; generations run for minutes)", metavar="SECONDS")
+    client_header_timeout: float | None = option(
+        parse_optional_seconds, 60.0, "seconds a client may take "
+        "to send a request's line and headers, from their first byte (from connecting, for "
+        "a connection's first request); then 408 and the connection is closed (off: no "
+        "limit)", metavar="SECONDS")
+    client_body_timeout: float | None = option(
+        parse_optional_seconds, 300.0, "seconds a client may take "
+        "to send a request's body once its headers are in; then 408 and the connection is "
+        "closed (off: no limit). Responses are never timed: they stream for as long as the "
+        "upstream generates", metavar="SECONDS")
+    max_header_size: int = option(
+        parse_size, 8190, "longest request line or header line, in "
+        "bytes; a longer one is answered 431 and not forwarded", metavar="SIZE")
+    max_headers: int = option(
+        parse_count, 128, "most header lines in a request; more are "
+        "answered 431 and not forwarded", metavar="N")
+    idle_timeout: float = option(
+        parse_seconds, 300.0,
+        "close a trajectory after this many seconds without a call", metavar="SECONDS")
+    step_close_grace: float | None = option(
+        parse_optional_seconds, 5.0, "when a later step starts, close "
+        "the earlier step's trajectories once idle this long (asynchronous rollouts can "
+        "outlive a weight update; 0: at once)", metavar="SECONDS")
+    shutdown_grace: float = option(
+        parse_seconds, 30.0, "on SIGTERM/SIGINT, seconds to let in-flight "
+        "requests finish before records are flushed, and then for the backends to catch up; "
+        "helper processes whose proxy was killed finish within it", metavar="SECONDS")
+    map: list[str] = option(
+        _mapping, ["header:X-Session-ID=trajectory_id"],
+        "take a key field from what clients already send: SOURCE:NAME=FIELD or "
+        "SOURCE:NAME=/REGEX with named groups/; SOURCE is header or body; or "
+        "path:strip=/REGEX/ (a key in the URL path, removed before forwarding) or "
+        "path:keep=/REGEX/ (forwarded as it came) (repeatable)",
+        multiple=True, metavar="RULE")
+    token2text: bool = option(
+        parse_flag, False, "decode token ids to text (prompt_text, "
+        "response_text, transcript) for recorded trajectories, off the forwarding path",
+        switch=True, commands=("serve", "demo"))
+    tokenizer: list[str] = option(
+        parse_tokenizer, [], "tokenizer for token2text: a local path or a name "
+        "in the Hugging Face cache, or MODEL=PATH per served model (repeatable; default: ask "
+        "the upstream for its model path)", multiple=True, metavar="PATH",
+        commands=("serve", "demo"))
+    skip_special_tokens: bool = option(
+        parse_flag, False, "drop special tokens from decoded text "
+        "(kept by default, as verl does)", switch=True, commands=("serve", "demo"))
+    tool_parser: str = option(
+        _tool_parser, "hermes", "how tool calls are written in decoded text: "
+        "hermes (Qwen2.5/Qwen3), qwen3_coder or gpt_oss", metavar="NAME",
+        commands=("serve", "demo"))
+    tool_route: list[str] = option(
+        parse_tool_route, [], "forward /PREFIX/... to an HTTP tool server and "
+        "record each call as a tool span: PREFIX=URL (repeatable)", multiple=True,
+        metavar="PREFIX=URL")
+    max_samples_per_step: int | None = option(
+        parse_optional_count, None, "keep the N samples of each "
+        "training step with the smallest keyed hash, with all their rollouts (none: keep all; "
+        "0: none)", metavar="N")
+    sample_rate: float | None = option(
+        parse_optional_fraction, None, "keep a sample when its keyed hash is "
+        "below P (no buffering; instead of --max-samples-per-step)", metavar="P")
+    validate_max_samples_per_step: int | None = option(
+        parse_optional_count, None,
+        "--max-samples-per-step for validation steps", metavar="N")
+    validate_sample_rate: float | None = option(
+        parse_optional_fraction, None,
+        "--sample-rate for validation steps", metavar="P")
+    sample_seed: int = option(
+        parse_int, 0, "key of the sampling hash: the same seed keeps the same "
+        "samples on every replica and after a restart", metavar="S")
+    otlp_endpoint: str = option(
+        parse_upstream, "http://127.0.0.1:4318/v1/traces", "OTLP/HTTP "
+        "traces endpoint of the otlp backend", metavar="URL", commands=("serve", "demo"))
+    otlp_header: list[str] = option(
+        parse_str, [], "header sent with every OTLP export, NAME=VALUE "
+        "(repeatable; e.g. authorization)", multiple=True, metavar="NAME=VALUE",
+        commands=("serve", "demo"))
+    mlflow_tracking_uri: str | None = option(
+        parse_str, None, "tracking URI of the mlflow backend (default: "
+        "MLFLOW_TRACKING_URI, else sqlite under --output)", metavar="URI",
+        commands=("serve", "demo"))
+    mlflow_run: str | None = option(
+        parse_str, None, "MLflow run the traces are linked to: a run id, or a "
+        "run name found or created in the experiment (default: the experiment name)",
+        metavar="RUN", commands=("serve", "demo"))
+    trackio_dir: Path | None = option(
+        Path, None, "where the trackio backend keeps its database (default: "
+        "TRACKIO_DIR, else trackio's own default)", metavar="DIR", commands=("serve", "demo"))
+    weave_entity: str | None = option(
+        parse_str, None, "W&B entity the weave backend logs to, in the Weave "
+        "project named by --project (default: WANDB_ENTITY; the key is WANDB_API_KEY)",
+        metavar="ENTITY", commands=("serve", "demo"))
+    capture_mode: str = option(
+        parse_process_mode, "process", "parse and assemble in a process of "
+        "their own (process), so forwarding never waits behind a long prompt's parsing, or "
+        "in the proxy's (inline)", metavar="MODE", commands=("serve", "demo"))
+    capture_priority: str = option(
+        parse_priority, "low", "CPU priority of the capture "
+        "process: low (nice 19: forwarding has the cores first; while they are saturated "
+        "the backlog grows to --capture-queue-bytes, then on disk to "
+        "--capture-overflow-bytes, then exchanges are counted as dropped), "
+        "normal (recording keeps up on saturated cores, at a cost to forwarding's latency "
+        "and throughput) or idle", metavar="PRIORITY", commands=("serve", "demo"))
+    capture_queue: int = option(
+        parse_int, 10000, "exchanges waiting to be parsed (inline: before "
+        "new ones are counted as dropped; in the capture process: before it stops reading)",
+        metavar="N")
+    capture_max_body: int = option(
+        parse_size, 128 << 20, "request and response body bytes of one "
+        "exchange kept for recording; past it the call is recorded without its bodies, as "
+        "unparsed with the reason (the bytes are forwarded all the same)", metavar="SIZE")
+    capture_queue_bytes: int = option(
+        parse_size, 512 << 20, "bytes of request and response bodies "
+        "waiting to be parsed in memory before new exchanges wait on disk (see "
+        "capture_overflow_bytes), then are counted as dropped "
+        "(capture_queue_bytes; with a capture process, half wait in the proxy's buffer and "
+        "half in its queue); bounds memory when prompts are long", metavar="SIZE")
+    capture_overflow_bytes: int = option(
+        parse_size, 2 << 30, "disk budget, in the spool's "
+        "directory, for exchanges the capture process cannot hold in its queue while parsing "
+        "is behind: they wait there in order and are parsed as the load eases, instead of "
+        "being dropped; past it the backlog waits in the proxy's buffer, then is dropped and "
+        "counted (0: never on disk)", metavar="SIZE", commands=("serve", "demo"))
+    spool_dir: Path | None = option(
+        Path, None, "where closed trajectories wait on disk until every backend "
+        "has them (default: OUTPUT/.spool)", metavar="DIR", commands=("serve", "demo"))
+    spool_max_bytes: int = option(
+        parse_size, 1 << 30, "disk budget of the spool; past it the "
+        "oldest records are deleted and counted as dropped (spool_full) for the backends that "
+        "did not have them yet", metavar="SIZE", commands=("serve", "demo"))
+    spool_fsync: float = option(
+        parse_seconds, 1.0, "at most this many seconds of spooled records "
+        "can be lost to a power failure (a process crash loses none)", metavar="SECONDS")
+    export_queue: int = option(
+        parse_int, 10000, "records kept in memory while the spool cannot "
+        "take them, before new ones are counted as dropped", metavar="N")
+    export_mode: str = option(
+        parse_process_mode, "process", "run the exporters in their own process "
+        "(process), so they never take CPU time from forwarding, or in the proxy's (inline)",
+        metavar="MODE", commands=("serve", "demo"))
+    export_priority: str = option(
+        parse_priority, "idle", "CPU priority of the export "
+        "process's work: idle (only CPU time nothing else wants: exporting never slows "
+        "forwarding, but waits while the cores are saturated), low (nice 19) or normal; "
+        "from SIGTERM on it exports at the proxy's priority", metavar="PRIORITY",
+        commands=("serve", "demo"))
+    log_level: str = option(
+        parse_log_level, "INFO", "debug, info, warning or error",
+        metavar="LEVEL", commands=("serve", "demo"))
+    # fmt: on
+
+
+OPTIONS: tuple[Option, ...] = tuple(
+    replace(f.metadata["option"], name=f.name) for f in fields(Settings)
+)
+OPTIONS_BY_NAME = {opt.name: opt for opt in OPTIONS}
 
 
 def values_may_start_with_dash(argv: Sequence[str]) -> list[str]:
