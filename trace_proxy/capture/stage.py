@@ -1,8 +1,10 @@
-"""The capture stage: exchanges in, calls and step events out, off the forwarding path.
+"""The capture stage: exchanges in, off the forwarding path, in arrival order; its intake and
+backpressure (a bounded queue, the overflow on disk, bursts of parsing while behind, waiting
+for the tokenizer) and its waits (flush, drain, stop). What each exchange becomes is decided
+by `dispatch.py`.
 
 The forwarder drops each finished exchange into a bounded queue (never waiting); one task here
-parses them in arrival order and feeds the assembler. A body that cannot be parsed is still
-recorded, as an unparsed call with the reason, so the trajectory shows that something happened.
+hands them, in arrival order, to the dispatcher, which feeds the assembler.
 """
 
 from __future__ import annotations
@@ -13,27 +15,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
-import orjson
-from multidict import CIMultiDict, CIMultiDictProxy
-
-from trace_proxy.capture.control import parse_event
-from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
-from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
+from trace_proxy.capture.dispatch import Dispatcher, Parsed
 from trace_proxy.capture.exchange import Exchange, dropped_mark
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.overflow import Overflow, OverflowLost
 from trace_proxy.capture.routes import RouteKind, classify
-from trace_proxy.capture.sessions import ended_session
 from trace_proxy.capture.wire import LongFrame
 from trace_proxy.logtext import printable
 from trace_proxy.metrics import Metrics, children
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.keys import KeyHints
 from trace_proxy.trajectories.ledger import Ledger
-from trace_proxy.trajectories.record import GenerateCall, ToolCall
 
 log = logging.getLogger(__name__)
 BEHIND = 32  # exchanges waiting: parsing is falling behind forwarding
@@ -48,14 +42,6 @@ GATHER = 0.03
 # few seconds on a quiet machine; a call that would be told apart by decoding waits rather
 # than start a trajectory marked ambiguous.
 DECODER_WAIT = 120.0
-
-
-class Parsed(NamedTuple):
-    """A generate exchange's calls, each with its key hints and the JSON text of its prompt
-    ids, if known."""
-
-    dialect: str
-    calls: list[tuple[KeyHints, GenerateCall, bytes | None]]
 
 
 class CaptureStage:
@@ -80,11 +66,9 @@ class CaptureStage:
         self._ledger = ledger if ledger is not None else Ledger()
         self._assembler = assembler
         self._metrics = metrics
-        self._recorded_calls = children(metrics.calls_recorded)
-        self._unparsed_calls = children(metrics.calls_unparsed)
-        self._tool_calls = children(metrics.tool_calls_recorded)
-        self._project = project
-        self._experiment = experiment
+        self._dispatch = Dispatcher(
+            resolver, assembler, metrics, self._ledger, project=project, experiment=experiment
+        )
         self._queue: asyncio.Queue[Exchange] = asyncio.Queue(maxsize=queue_size)
         self._max_bytes = queue_bytes
         self._queued_bytes = 0
@@ -477,7 +461,7 @@ class CaptureStage:
                 and exchange.dropped is None
                 and (exchange.tool_route is None and exchange.bodies_skipped is None)
             ):
-                parsed = self._parse(exchange)
+                parsed = self._dispatch.parse(exchange)
                 assembler = self._assembler
                 if any(assembler.needs_decoder(hints, call) for hints, call, _ in parsed.calls):
                     await self._wait_for_decoders()
@@ -548,151 +532,7 @@ class CaptureStage:
 
     def process(self, exchange: Exchange, parsed: Parsed | None = None) -> None:
         """Parse and record one exchange (`parsed`: its calls, when already parsed)."""
-        kind = classify(exchange.method, exchange.path)
-        if kind is RouteKind.SESSION_END:  # needs no body: kept or dropped, the session ends
-            if exchange.dropped is None:
-                self._ledger.made(0)  # nothing of its own is recorded
-            self._end_session(exchange)
-            return
-        if exchange.dropped is not None:
-            if kind is RouteKind.GENERATE or exchange.tool_route is not None:
-                hints = self._resolver.resolve(
-                    exchange.request_headers, exchange.path_metadata, None
-                )
-                self._assembler.add_dropped(hints, exchange.start, exchange.end, exchange.admitted)
-            return
-        if kind is RouteKind.CONTROL:
-            hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
-            event = parse_event(
-                exchange,
-                project=hints.values.get("project", self._project),
-                experiment=hints.values.get("experiment", self._experiment),
-            )
-            self._metrics.events_recorded.labels(event.event).inc()
-            self._assembler.add_event(event)
-            return
-        if exchange.tool_route is not None:
-            self._tool_call(exchange)
-            return
-        if kind is not RouteKind.GENERATE:
-            self._ledger.made(0)
-            return
-        if exchange.bodies_skipped is not None:
-            self._add_unparsed(exchange, DIALECTS[exchange.path][0], exchange.bodies_skipped)
-            return
-        self._add_calls(exchange, parsed or self._parse(exchange))
-
-    def _parse(self, exchange: Exchange) -> Parsed:
-        """A generate exchange's calls, each with its key hints and the JSON text of its
-        prompt ids (see `decode_request`); what cannot be parsed, as an unparsed call."""
-        dialect, parser = DIALECTS[exchange.path]
-        request: Any = None
-        ids_text: bytes | None = None
-        resolved: dict[int, KeyHints] = {}  # by id() of the body resolved
-        try:
-            ids_field = PROMPT_IDS.get(exchange.path)
-            request, ids_text = decode_request(
-                exchange.request_body, ids_field, partial(self._latest_prompt, exchange, resolved)
-            )
-            if not isinstance(request, dict):
-                raise ParseError("request body is not a JSON object")
-            parsed = parser(exchange, request)
-        except (orjson.JSONDecodeError, ParseError) as exc:
-            parsed = [self._unparsed(exchange, dialect, request, _reason(exc))]
-        except Exception as exc:  # a parser bug must not lose the call
-            log.exception("parser %s failed on %s", dialect, printable(exchange.path))
-            parsed = [self._unparsed(exchange, dialect, request, f"parser error: {exc!r}")]
-        ids = request.get(ids_field) if ids_text is not None and ids_field else None
-        calls = []
-        for item in parsed:
-            found = resolved.get(id(item.body))
-            hints = found or self._resolver.resolve(
-                exchange.request_headers, exchange.path_metadata, item.body
-            )
-            # The text goes with the call whose prompt is that very list.
-            text = ids_text if ids is not None and item.call.prompt.token_ids is ids else None
-            calls.append((hints, item.call, text))
-        return Parsed(dialect, calls)
-
-    def _add_calls(self, exchange: Exchange, parsed: Parsed) -> None:
-        self._ledger.made(len(parsed.calls))
-        for hints, call, text in parsed.calls:
-            counter = self._unparsed_calls if call.unparsed else self._recorded_calls
-            counter(parsed.dialect).inc()
-            self._assembler.add_call(hints, call, admitted=exchange.admitted, ids_text=text)
-
-    def _add_unparsed(self, exchange: Exchange, dialect: str, reason: str) -> None:
-        item = self._unparsed(exchange, dialect, None, reason)
-        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
-        self._unparsed_calls(dialect).inc()
-        self._assembler.add_call(hints, item.call, admitted=exchange.admitted)
-
-    def _latest_prompt(
-        self, exchange: Exchange, resolved: dict[int, KeyHints], request: dict[str, Any]
-    ) -> tuple[bytes, int] | None:
-        """Resolved once: the request's calls reuse these hints. Body rules read only strings
-        and ints, so the ids the request still lacks here change nothing."""
-        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, request)
-        resolved[id(request)] = hints
-        return self._assembler.latest_prompt(hints)
-
-    def _end_session(self, exchange: Exchange) -> None:
-        """The trajectory the session's calls were mapped to is done (see sessions.py): the
-        key is resolved from the request as if its calls' session header carried the id."""
-        ended = ended_session(exchange.path, exchange.query)
-        if ended is None:
-            return
-        header, session = ended
-        headers = CIMultiDict(exchange.request_headers)
-        headers[header] = session
-        hints = self._resolver.resolve(CIMultiDictProxy(headers), exchange.path_metadata, None)
-        self._assembler.end(hints)
-
-    def _tool_call(self, exchange: Exchange) -> None:
-        tool = ToolCall(
-            index=-1,
-            observed="http_tool_server",
-            start=exchange.start,
-            end=exchange.end,
-            name=exchange.tool_route,
-            arguments=_text(exchange.request_body, exchange.bodies_skipped),
-            result=_text(exchange.response_body, exchange.bodies_skipped),
-            error=exchange_failure(exchange),
-            route=exchange.path,
-            upstream=exchange.upstream,
-            http_status=exchange.status,
-        )
-        hints = self._resolver.resolve(exchange.request_headers, exchange.path_metadata, None)
-        self._tool_calls(exchange.tool_route or "").inc()
-        self._assembler.add_tool(hints, tool)
-
-    @staticmethod
-    def _unparsed(exchange: Exchange, dialect: str, request: Any, reason: str) -> ParsedCall:
-        body = request if isinstance(request, dict) else {}
-        call = new_call(exchange, dialect, {})
-        call.stream = bool(body.get("stream"))
-        call.unparsed = reason
-        call.error = exchange_failure(exchange)
-        return ParsedCall(call, body)
-
-
-MAX_TOOL_TEXT = 1 << 20
-
-
-def _text(body: bytes, skipped: str | None = None) -> str | None:
-    """A tool server's body as text, capped: tool outputs can be whole files."""
-    if skipped is not None:
-        return f"[{skipped}]"
-    if not body:
-        return None
-    text = body[:MAX_TOOL_TEXT].decode("utf-8", "replace")
-    return text if len(body) <= MAX_TOOL_TEXT else text + f"... [{len(body)} bytes in all]"
-
-
-def _reason(exc: Exception) -> str:
-    if isinstance(exc, orjson.JSONDecodeError):
-        return f"request is not JSON: {exc}"
-    return str(exc)
+        self._dispatch.process(exchange, parsed)
 
 
 def _settle(future: asyncio.Future[None]) -> None:
