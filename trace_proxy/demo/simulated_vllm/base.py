@@ -6,7 +6,7 @@ is admitted, paced, aborted or refused; that part lives here once, for all three
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,6 +146,48 @@ class VLLMBase(SimulatedServer):
         except VLLMError as exc:
             return exc.response()
         return response
+
+    async def _emit(
+        self,
+        sse: SSEStream,
+        flight: Flight,
+        seqs: list[Seq],
+        token: Callable[[Seq, int, bool], bytes | None],
+        closing: Callable[[Seq, int], bytes],
+        tail: Callable[[int], bytes] | None,
+        opening: Sequence[bytes] = (),
+    ) -> web.StreamResponse:
+        """Pace a stream: an event per token step and choice, then the cut choices, then the end.
+
+        `token(seq, step, finished)` is a token's event (None: nothing to send), `closing(seq,
+        emitted)` the `abort` finish of a choice an abort cut short, `tail(completion_tokens)`
+        the usage-only chunk (None when not asked for), `opening` what goes before the first
+        token.
+        """
+        emitted = {seq.index: 0 for seq in seqs}
+        longest = max(len(seq.sample.token_ids) for seq in seqs)
+        started = False
+        async for step in self.steps(flight, longest):
+            if not started:
+                started = True
+                for event in opening:
+                    if not await sse.send(event):
+                        return await sse.finish()
+            for seq in seqs:
+                if step >= len(seq.sample.token_ids):
+                    continue
+                emitted[seq.index] = step + 1
+                out = token(seq, step, step == len(seq.sample.token_ids) - 1)
+                if out is not None and not await sse.send(out):
+                    return await sse.finish()
+        for seq in seqs:  # aborted: close unfinished choices
+            if emitted[seq.index] < len(seq.sample.token_ids):
+                seq.sample = seq.sample.prefix(emitted[seq.index])
+                if not await sse.send(closing(seq, emitted[seq.index])):
+                    return await sse.finish()
+        if tail is not None:
+            await sse.send(tail(sum(len(seq.sample.token_ids) for seq in seqs)))
+        return await sse.finish()
 
     async def _final(self, flight: Flight, seqs: list[Seq]) -> None:
         """Pace a non-streaming request; samples are cut short if it was aborted."""

@@ -216,78 +216,67 @@ class ChatRoutes(VLLMBase):
         parsers = {
             seq.index: HermesStream(partial(self._tool_call_id, ctx, seq.index)) for seq in seqs
         }
-        emitted = {seq.index: 0 for seq in seqs}
-        longest = max(len(seq.sample.token_ids) for seq in seqs)
-        started = False
-        async for step in self.steps(flight, longest):
-            if not started:
-                started = True
-                for seq in seqs:
-                    first = self._role_chunk(head, seq.index, prompt_ids, continuous, token_ids)
-                    if not await sse.send(dumps(first)):
-                        return await sse.finish()
-            for seq in seqs:
-                s = seq.sample
-                if step >= len(s.token_ids):
-                    continue
-                emitted[seq.index] = step + 1
-                finished = step == len(s.token_ids) - 1
-                lp = None
-                if want_logprobs:
-                    lp = chat_logprobs(self.text, s, step, step + 1, top, as_ids)
-                parser = parsers[seq.index]
-                delta = self._chat_delta(parser if parses else None, s, step)
-                if delta is None:
-                    if not finished and lp is None and not token_ids:
-                        continue
-                    delta = {}
-                finish = None
-                if finished:
-                    finish = s.finish_reason
-                    if parser.tools_streamed and finish == "stop" and not named:
-                        finish = "tool_calls"
-                chunk = self._chat_chunk(
-                    head,
-                    seq.index,
-                    delta,
-                    lp,
-                    finish,
-                    s.stop_reason,
-                    [s.token_ids[step]] if token_ids else None,
-                    flight.weight_versions(step + 1) if versions and finished else None,
-                    fingerprint=finished and not usage,
-                    usage=(self._short_usage(len(prompt_ids), step + 1) if continuous else None),
-                )
-                if not await sse.send(dumps(chunk)):
-                    return await sse.finish()
-        for seq in seqs:  # aborted: close unfinished choices
-            if emitted[seq.index] < len(seq.sample.token_ids):
-                seq.sample = seq.sample.prefix(emitted[seq.index])
-                chunk = self._chat_chunk(
-                    head,
-                    seq.index,
-                    {},
-                    None,
-                    "abort",
-                    None,
-                    [] if token_ids else None,
-                    None,
-                    fingerprint=not usage,
-                    usage=None,
-                )
-                if not await sse.send(dumps(chunk)):
-                    return await sse.finish()
-        if usage:
-            completion = sum(len(seq.sample.token_ids) for seq in seqs)
-            tail = {
-                **head,
-                "choices": [],
-                "usage": self._short_usage(len(prompt_ids), completion),
-                "system_fingerprint": self.system_fingerprint,
-            }
-            if not await sse.send(dumps(tail)):
-                return await sse.finish()
-        return await sse.finish()
+        opening = [
+            dumps(self._role_chunk(head, seq.index, prompt_ids, continuous, token_ids))
+            for seq in seqs
+        ]
+
+        def token(seq: Seq, step: int, finished: bool) -> bytes | None:
+            s = seq.sample
+            lp = None
+            if want_logprobs:
+                lp = chat_logprobs(self.text, s, step, step + 1, top, as_ids)
+            parser = parsers[seq.index]
+            delta = self._chat_delta(parser if parses else None, s, step)
+            if delta is None:
+                if not finished and lp is None and not token_ids:
+                    return None
+                delta = {}
+            finish = None
+            if finished:
+                finish = s.finish_reason
+                if parser.tools_streamed and finish == "stop" and not named:
+                    finish = "tool_calls"
+            chunk = self._chat_chunk(
+                head,
+                seq.index,
+                delta,
+                lp,
+                finish,
+                s.stop_reason,
+                [s.token_ids[step]] if token_ids else None,
+                flight.weight_versions(step + 1) if versions and finished else None,
+                fingerprint=finished and not usage,
+                usage=(self._short_usage(len(prompt_ids), step + 1) if continuous else None),
+            )
+            return dumps(chunk)
+
+        def closing(seq: Seq, emitted: int) -> bytes:
+            chunk = self._chat_chunk(
+                head,
+                seq.index,
+                {},
+                None,
+                "abort",
+                None,
+                [] if token_ids else None,
+                None,
+                fingerprint=not usage,
+                usage=None,
+            )
+            return dumps(chunk)
+
+        def tail(completion: int) -> bytes:
+            return dumps(
+                {
+                    **head,
+                    "choices": [],
+                    "usage": self._short_usage(len(prompt_ids), completion),
+                    "system_fingerprint": self.system_fingerprint,
+                }
+            )
+
+        return await self._emit(sse, flight, seqs, token, closing, tail if usage else None, opening)
 
     def _role_chunk(
         self, head: JSON, index: int, prompt_ids: tuple[int, ...], continuous: bool, token_ids: bool

@@ -159,68 +159,60 @@ class CompletionsRoutes(VLLMBase):
         sse = self._stream(ctx.request, spaced_error(generation_error()))
         await sse.open()
         offsets = {seq.index: 0 for seq in seqs}
-        emitted = {seq.index: 0 for seq in seqs}
-        longest = max(len(seq.sample.token_ids) for seq in seqs)
-        async for step in self.steps(flight, longest):
-            for seq in seqs:
-                s = seq.sample
-                if step >= len(s.token_ids):
-                    continue
-                finished = step == len(s.token_ids) - 1
-                emitted[seq.index] = step + 1
-                lp = None
-                if logprobs is not None:
-                    lp, offsets[seq.index] = completion_logprobs(
-                        self.text, s, step, step + 1, logprobs, as_ids, offsets[seq.index]
-                    )
-                chunk = self._completion_chunk(
-                    ctx,
-                    seq,
-                    text=s.deltas[step],
-                    logprobs=lp,
-                    finish=s.finish_reason if finished else None,
-                    stop_reason=s.stop_reason if finished else None,
-                    token_ids=[s.token_ids[step]] if token_ids else None,
-                    first=step == 0 and token_ids,
-                    versions=flight.weight_versions(step + 1) if versions and finished else None,
-                    fingerprint=finished and not usage,
-                    usage=self._short_usage(len(seq.prompt_ids), step + 1) if continuous else None,
+
+        def token(seq: Seq, step: int, finished: bool) -> bytes:
+            s = seq.sample
+            lp = None
+            if logprobs is not None:
+                lp, offsets[seq.index] = completion_logprobs(
+                    self.text, s, step, step + 1, logprobs, as_ids, offsets[seq.index]
                 )
-                if not await sse.send(dumps(chunk)):
-                    return await sse.finish()
-        for seq in seqs:  # aborted: close unfinished choices
-            if emitted[seq.index] < len(seq.sample.token_ids):
-                seq.sample = seq.sample.prefix(emitted[seq.index])
-                chunk = self._completion_chunk(
-                    ctx,
-                    seq,
-                    text="",
-                    logprobs=None,
-                    finish="abort",
-                    stop_reason=None,
-                    token_ids=[] if token_ids else None,
-                    first=emitted[seq.index] == 0 and token_ids,
-                    versions=None,
-                    fingerprint=not usage,
-                    usage=None,
-                )
-                if not await sse.send(dumps(chunk)):
-                    return await sse.finish()
-        if usage:
+            chunk = self._completion_chunk(
+                ctx,
+                seq,
+                text=s.deltas[step],
+                logprobs=lp,
+                finish=s.finish_reason if finished else None,
+                stop_reason=s.stop_reason if finished else None,
+                token_ids=[s.token_ids[step]] if token_ids else None,
+                first=step == 0 and token_ids,
+                versions=flight.weight_versions(step + 1) if versions and finished else None,
+                fingerprint=finished and not usage,
+                usage=self._short_usage(len(seq.prompt_ids), step + 1) if continuous else None,
+            )
+            return dumps(chunk)
+
+        def closing(seq: Seq, emitted: int) -> bytes:
+            chunk = self._completion_chunk(
+                ctx,
+                seq,
+                text="",
+                logprobs=None,
+                finish="abort",
+                stop_reason=None,
+                token_ids=[] if token_ids else None,
+                first=emitted == 0 and token_ids,
+                versions=None,
+                fingerprint=not usage,
+                usage=None,
+            )
+            return dumps(chunk)
+
+        def tail(completion: int) -> bytes:
             prompt_tokens = sum(len(seq.prompt_ids) for seq in seqs if seq.index % ctx.n == 0)
-            completion = sum(len(seq.sample.token_ids) for seq in seqs)
-            tail = {
-                "id": ctx.request_id,
-                "object": "text_completion",
-                "created": ctx.created,
-                "model": self.model,
-                "choices": [],
-                "usage": self._short_usage(prompt_tokens, completion),
-                "system_fingerprint": self.system_fingerprint,
-            }
-            if not await sse.send(dumps(tail)):
-                return await sse.finish()
-        return await sse.finish()
+            return dumps(
+                {
+                    "id": ctx.request_id,
+                    "object": "text_completion",
+                    "created": ctx.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": self._short_usage(prompt_tokens, completion),
+                    "system_fingerprint": self.system_fingerprint,
+                }
+            )
+
+        return await self._emit(sse, flight, seqs, token, closing, tail if usage else None)
 
     def _completion_chunk(
         self,

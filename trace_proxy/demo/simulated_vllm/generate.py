@@ -121,8 +121,6 @@ class GenerateRoutes(VLLMBase):
         pending_prompt = bool(ctx.body.get("return_token_ids"))
         sse = self._stream(ctx.request, spaced_error(generation_error()))
         await sse.open()
-        emitted = {seq.index: 0 for seq in seqs}
-        longest = max(len(seq.sample.token_ids) for seq in seqs)
 
         def chunk(choice: JSON, generated: int) -> bytes:
             nonlocal pending_prompt
@@ -136,38 +134,31 @@ class GenerateRoutes(VLLMBase):
             out["choices"] = [choice]
             return dumps(out)
 
-        async for step in self.steps(flight, longest):
-            for seq in seqs:
-                s = seq.sample
-                if step >= len(s.token_ids):
-                    continue
-                emitted[seq.index] = step + 1
-                finished = step == len(s.token_ids) - 1
-                choice = self._generate_choice(
-                    ctx,
-                    seq,
-                    step,
-                    step + 1,
-                    s.finish_reason if finished else None,
-                    flight.weight_versions(step + 1) if finished else None,
-                )
-                if not await sse.send(chunk(choice, step + 1)):
-                    return await sse.finish()
-        for seq in seqs:
-            if emitted[seq.index] < len(seq.sample.token_ids):
-                seq.sample = seq.sample.prefix(emitted[seq.index])
-                n = emitted[seq.index]
-                choice = self._generate_choice(ctx, seq, n, n, "abort", flight.weight_versions(n))
-                if not await sse.send(chunk(choice, n)):
-                    return await sse.finish()
-        if usage:
-            completion = sum(len(seq.sample.token_ids) for seq in seqs)
-            tail = {
-                "request_id": ctx.request_id,
-                "usage": self._short_usage(len(prompt_ids), completion),
-                "output_mode": mode,
-                "choices": [],
-            }
-            if not await sse.send(dumps(tail)):
-                return await sse.finish()
-        return await sse.finish()
+        def token(seq: Seq, step: int, finished: bool) -> bytes:
+            choice = self._generate_choice(
+                ctx,
+                seq,
+                step,
+                step + 1,
+                seq.sample.finish_reason if finished else None,
+                flight.weight_versions(step + 1) if finished else None,
+            )
+            return chunk(choice, step + 1)
+
+        def closing(seq: Seq, emitted: int) -> bytes:
+            choice = self._generate_choice(
+                ctx, seq, emitted, emitted, "abort", flight.weight_versions(emitted)
+            )
+            return chunk(choice, emitted)
+
+        def tail(completion: int) -> bytes:
+            return dumps(
+                {
+                    "request_id": ctx.request_id,
+                    "usage": self._short_usage(len(prompt_ids), completion),
+                    "output_mode": mode,
+                    "choices": [],
+                }
+            )
+
+        return await self._emit(sse, flight, seqs, token, closing, tail if usage else None)
