@@ -100,22 +100,33 @@ class VLLMBase(SimulatedServer):
         return ids
 
     @staticmethod
-    def _usage(prompt_tokens: int, completion_tokens: int) -> JSON:
+    def _short_usage(prompt_tokens: int, completion_tokens: int) -> JSON:
+        """`UsageInfo` as streams send it: unset details are left out (`exclude_unset`)."""
         return {
             "prompt_tokens": prompt_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens,
-            "prompt_tokens_details": None,
-            "completion_tokens_details": None,
         }
 
+    @classmethod
+    def _usage(cls, prompt_tokens: int, completion_tokens: int) -> JSON:
+        """`UsageInfo` in a whole response: the details as nulls."""
+        usage = cls._short_usage(prompt_tokens, completion_tokens)
+        return {**usage, "prompt_tokens_details": None, "completion_tokens_details": None}
+
+    def _chunk_end(self, chunk: JSON, usage: JSON | None, fingerprint: bool) -> JSON:
+        """A stream chunk's fields after its choices: usage, the fingerprint, kv params."""
+        if usage is not None:
+            chunk["usage"] = usage
+        if fingerprint:
+            chunk["system_fingerprint"] = self.system_fingerprint
+        chunk["kv_transfer_params"] = None
+        return chunk
+
     @staticmethod
-    def _short_usage(prompt_tokens: int, completion_tokens: int) -> JSON:
-        return {
-            "prompt_tokens": prompt_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "completion_tokens": completion_tokens,
-        }
+    def _asked_versions(body: JSON, flight: Flight, count: int) -> list[JSON] | None:
+        """A whole answer's weight-version spans, when `return_weight_versions` asks for them."""
+        return flight.weight_versions(count) if body.get("return_weight_versions") else None
 
     def _stream(self, request: web.Request, error_event: bytes) -> SSEStream:
         return SSEStream(

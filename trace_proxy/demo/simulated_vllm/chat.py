@@ -156,11 +156,7 @@ class ChatRoutes(VLLMBase):
                     "stop_reason": s.stop_reason,
                     "token_ids": list(s.token_ids) if token_ids else None,
                     "routed_experts": None,
-                    "weight_versions": (
-                        flight.weight_versions(len(s.token_ids))
-                        if body.get("return_weight_versions")
-                        else None
-                    ),
+                    "weight_versions": self._asked_versions(body, flight, len(s.token_ids)),
                 }
             )
         prompt_ids = seqs[0].prompt_ids
@@ -342,9 +338,4 @@ class ChatRoutes(VLLMBase):
         if finish is not None:
             choice["weight_versions"] = versions
         chunk: JSON = {**head, "choices": [choice]}
-        if usage is not None:
-            chunk["usage"] = usage
-        if fingerprint and finish is not None:
-            chunk["system_fingerprint"] = self.system_fingerprint
-        chunk["kv_transfer_params"] = None
-        return chunk
+        return self._chunk_end(chunk, usage, fingerprint and finish is not None)

@@ -122,11 +122,7 @@ class CompletionsRoutes(VLLMBase):
                     ),
                     "prompt_token_ids": list(seq.prompt_ids) if token_ids else None,
                     "routed_experts": None,
-                    "weight_versions": (
-                        flight.weight_versions(len(s.token_ids))
-                        if body.get("return_weight_versions")
-                        else None
-                    ),
+                    "weight_versions": self._asked_versions(body, flight, len(s.token_ids)),
                 }
             )
         prompt_tokens = sum(len(seq.prompt_ids) for seq in seqs if seq.index % ctx.n == 0)
@@ -247,9 +243,4 @@ class CompletionsRoutes(VLLMBase):
                 }
             ],
         }
-        if usage is not None:
-            chunk["usage"] = usage
-        if fingerprint and finish is not None:
-            chunk["system_fingerprint"] = self.system_fingerprint
-        chunk["kv_transfer_params"] = None
-        return chunk
+        return self._chunk_end(chunk, usage, fingerprint and finish is not None)

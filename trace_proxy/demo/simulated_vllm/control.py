@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from .base import VLLMBase
-from .errors import VLLMError, missing_fields_error
+from .errors import VLLMError
 from .parsing import read_body
 from .wire import json_response
 
@@ -80,9 +80,7 @@ class ControlRoutes(VLLMBase):
 
     async def _update_weight_version(self, request: web.Request) -> web.Response:
         try:
-            _, body = await read_body(request)
-            if "new_version" not in body:
-                raise missing_fields_error(body, ["new_version"])
+            _, body = await read_body(request, ("new_version",))
         except VLLMError as exc:
             return exc.response()
         self.engine.weight_version = str(body["new_version"])

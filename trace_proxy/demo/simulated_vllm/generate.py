@@ -12,7 +12,7 @@ from aiohttp import web
 
 from .base import Ctx, Seq, VLLMBase
 from .engine import Flight, Paused
-from .errors import VLLMError, generation_error, missing_fields_error, paused_error, spaced_error
+from .errors import VLLMError, generation_error, paused_error, spaced_error
 from .logprobs import chat_logprobs, generate_logprobs
 from .parsing import check_stream_options, read_body, usage_flags
 from .wire import JSON, dumps, json_response
@@ -23,10 +23,7 @@ class GenerateRoutes(VLLMBase):
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         try:
-            raw, body = await read_body(request)
-            missing = [f for f in ("token_ids", "sampling_params") if f not in body]
-            if missing:
-                raise missing_fields_error(body, missing)
+            raw, body = await read_body(request, ("token_ids", "sampling_params"))
             prompt_ids = tuple(body["token_ids"])
             sp = body["sampling_params"] or {}
             check_stream_options(body)

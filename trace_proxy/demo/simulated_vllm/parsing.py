@@ -7,16 +7,20 @@ each route calls these in the order vLLM's request model validates its fields.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 
 from aiohttp import web
 
 from .chatml import ascii_text
-from .errors import VLLMError, validation_error
+from .errors import VLLMError, missing_fields_error, validation_error
 from .wire import JSON
 
 
-async def read_body(request: web.Request) -> tuple[bytes, JSON]:
-    """The raw body and its JSON object, or a VLLMError as FastAPI would reject it."""
+async def read_body(request: web.Request, required: Sequence[str] = ()) -> tuple[bytes, JSON]:
+    """The raw body and its JSON object, or a VLLMError as FastAPI would reject it.
+
+    `required` names the fields the route's model has no default for; missing ones are a 400.
+    """
     media_type = request.headers.get("Content-Type", "").lower().split(";", 1)[0]
     if media_type != "application/json":
         raise VLLMError(
@@ -49,6 +53,9 @@ async def read_body(request: web.Request) -> tuple[bytes, JSON]:
             400,
             "body",
         )
+    missing = [name for name in required if name not in body]
+    if missing:
+        raise missing_fields_error(body, missing)
     return raw, body
 
 

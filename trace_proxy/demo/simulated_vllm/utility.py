@@ -74,9 +74,7 @@ class UtilityRoutes(VLLMBase):
 
     async def _detokenize(self, request: web.Request) -> web.Response:
         try:
-            _, body = await read_body(request)
-            if "tokens" not in body:
-                raise missing_fields_error(body, ["tokens"])
+            _, body = await read_body(request, ("tokens",))
         except VLLMError as exc:
             return exc.response()
         return json_response({"prompt": self.text.decode(body["tokens"])})
