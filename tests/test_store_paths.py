@@ -28,7 +28,7 @@ from trace_proxy.client import post_reward
 from trace_proxy.exporters import jsonl
 from trace_proxy.exporters.jsonl import NAME_FILE, JsonlExporter
 from trace_proxy.show import iter_records, show
-from trace_proxy.storenames import digest, store_name
+from trace_proxy.store.names import digest, store_name
 from trace_proxy.trajectories.record import RolloutKey, Trajectory
 
 

@@ -12,7 +12,7 @@ fsync'd when it is closed. A torn last line left by a crash is cut off when the 
 opened, so readers never see a partial record.
 
 Project and experiment come from requests, so they are never joined into a path as they are:
-each directory is named by `trace_proxy.storenames.store_name` (letters, digits and `-_.+=@`
+each directory is named by `trace_proxy.store.names.store_name` (letters, digits and `-_.+=@`
 kept, every other byte `%XX`, a leading `.` encoded, long names cut and hashed), and holds a
 `.trace-proxy-name` file with the exact value it is for (see `StoreDirectories`). Ordinary
 names read as they are (`Qwen3-8B-grpo/grpo-v2/`); `../x` is `%2E.%2Fx`. Records keep their
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import orjson
 
-from trace_proxy.storenames import MARK, digest, is_safe_component, store_name
+from trace_proxy.store.names import MARK, digest, is_safe_component, store_name
 from trace_proxy.trajectories.record import (
     Annotation,
     Record,

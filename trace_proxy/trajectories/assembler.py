@@ -22,7 +22,7 @@ import orjson
 from trace_proxy.capture.control import WEIGHT_UPDATE_EVENTS
 from trace_proxy.capture.ledger import Ledger
 from trace_proxy.capture.metadata import MAX_VALUE_LEN, KeyHints
-from trace_proxy.storenames import store_name
+from trace_proxy.store.names import store_name
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import MAPPED_SOURCE, TrafficInference
 from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
@@ -660,7 +660,7 @@ def build_trajectory(open_: _Open, reason: str) -> Trajectory:
 
 def store_name_notes(key: RolloutKey) -> list[dict[str, Any]]:
     """A note for each of project and experiment whose directory in the store is not named as
-    the value (`trace_proxy.storenames`): the key keeps the value as it was sent."""
+    the value (`trace_proxy.store.names`): the key keeps the value as it was sent."""
     notes = []
     for field_name in ("project", "experiment"):
         value: str = getattr(key, field_name)

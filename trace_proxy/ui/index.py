@@ -31,7 +31,7 @@ import orjson
 
 from trace_proxy.exporters.jsonl import NAME_FILE
 from trace_proxy.replicas import merged_summary, store_roots
-from trace_proxy.storenames import decode_name
+from trace_proxy.store.names import decode_name
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index
