@@ -29,8 +29,8 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from trace_proxy.exporters.jsonl import NAME_FILE
 from trace_proxy.replicas import merged_summary, store_roots
+from trace_proxy.store.layout import NAME_FILE
 from trace_proxy.store.names import decode_name
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
