@@ -5,7 +5,7 @@ was asked (the newest message, or decoded prompt text) and what came back (text,
 Several stores (one per replica, each sidecar writing its own) read as one: the records of the
 same project and experiment are shown together, ordered by step and sample across the stores,
 and each step's summaries add up to one. An output whose proxies wrote replica directories
-(`<output>/replicas/*`, see replicas.py) is such a set of stores.
+(`<output>/replicas/*`, see store/replicas.py) is such a set of stores.
 
 Nearly every string of a record came from a request or a response (names, ids, models, routes,
 tool calls, error messages, labels), so every line goes through `printable` on its way out:
@@ -22,7 +22,7 @@ from typing import Any, TextIO
 import orjson
 
 from trace_proxy.logtext import printable
-from trace_proxy.replicas import joined, merged_summary, store_roots
+from trace_proxy.store.replicas import joined, merged_summary, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
 
 

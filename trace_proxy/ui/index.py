@@ -29,9 +29,9 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from trace_proxy.replicas import merged_summary, store_roots
 from trace_proxy.store.layout import NAME_FILE
 from trace_proxy.store.names import decode_name
+from trace_proxy.store.replicas import merged_summary, store_roots
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index
