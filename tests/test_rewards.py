@@ -13,7 +13,8 @@ from fakes import FakeVLLM
 from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.client import RewardRejected, post_reward
-from trace_proxy.show import iter_records, show
+from trace_proxy.show import show
+from trace_proxy.store.readers import iter_records
 
 
 async def generate(proxy: str, headers: dict[str, str]) -> None:
