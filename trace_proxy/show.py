@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trace_proxy.logtext import printable
+from trace_proxy.store.annotations import merged_outcome
 from trace_proxy.store.readers import iter_records, run_records, runs
 from trace_proxy.store.replicas import joined, merged_summary, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
@@ -141,13 +142,7 @@ def _apply_annotations(records: list[dict[str, Any]]) -> list[str]:
     for note in (r for r in records if r.get("record") == "annotation"):
         targets = [by_id[i] for i in note.get("trajectories") or [] if i in by_id]
         for trajectory in targets:
-            for name in ("reward", "score"):
-                if note.get(name) is not None:
-                    trajectory[name] = note[name]
-            trajectory["labels"] = {
-                **(trajectory.get("labels") or {}),
-                **(note.get("labels") or {}),
-            }
+            trajectory.update(merged_outcome(trajectory, note))
         if not targets:
             orphans.append(f"-- reward for {note.get('target')} (no such trajectory stored here): "
                            f"{_outcome(note)}")  # fmt: skip

@@ -28,6 +28,7 @@ from typing import Any
 
 import orjson
 
+from trace_proxy.store.annotations import merged_outcome
 from trace_proxy.store.readers import directory_value, jsonl_files, open_no_link, runs
 from trace_proxy.store.replicas import merged_summary, store_roots
 
@@ -472,13 +473,20 @@ def _apply_note(run: Run, note: dict[str, Any]) -> None:
 
 
 def _annotate(entry: Entry, note: dict[str, Any]) -> None:
-    for name in ("reward", "score"):
-        value = _float_or_none(note.get(name))
-        if value is not None:
-            setattr(entry, name, value)
-    if isinstance(note.get("labels"), dict) and note["labels"]:
-        labels = json.loads(entry.labels) if entry.labels and _is_json_object(entry.labels) else {}
-        entry.labels = _labels_text({**labels, **note["labels"]})
+    """`note` merged into `entry`: numbers only (a store is read as it is), and the labels,
+    kept as text cut at LABELS_CAP, written again only when the note gives some."""
+    labels = note["labels"] if isinstance(note.get("labels"), dict) and note["labels"] else None
+    kept = None
+    if labels is not None and entry.labels and _is_json_object(entry.labels):
+        kept = json.loads(entry.labels)
+    merged = merged_outcome(
+        {"reward": entry.reward, "score": entry.score, "labels": kept},
+        {**note, "labels": labels},
+        _float_or_none,
+    )
+    entry.reward, entry.score = merged["reward"], merged["score"]
+    if labels is not None:
+        entry.labels = _labels_text(merged["labels"])
     entry.annotated = True
 
 
