@@ -35,7 +35,7 @@ from trace_proxy.config import Settings
 from trace_proxy.demo.simulated_vllm import SimulatedVLLM
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer, load_qwen_tokenizer
 from trace_proxy.proxy.service import ProxyService
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 
 SYSTEM = "You are a coding agent. Use the tools to inspect and fix the repository."

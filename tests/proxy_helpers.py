@@ -21,7 +21,7 @@ from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolWriter
 from trace_proxy.metrics import ExportMetrics, Metrics, exposition
 from trace_proxy.proxy.service import ProxyService
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 
 
 @contextlib.asynccontextmanager

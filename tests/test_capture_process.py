@@ -34,7 +34,8 @@ from trace_proxy.capture.wire import (
     encode_exchange,
 )
 from trace_proxy.processes.capture import CaptureProcess
-from trace_proxy.show import iter_records, show
+from trace_proxy.show import show
+from trace_proxy.store.readers import iter_records
 
 GUARD = 60
 

@@ -45,6 +45,12 @@ def test_jsonl_and_show(tmp_path: Path) -> None:
     assert show(tmp_path, out=out) == 0
     shown = out.getvalue()
     assert "step 4" in shown and f"{MISSING} more calls not recorded" in shown
+    # A store may also be named by one of its project or experiment directories.
+    for part in (tmp_path / "tp", tmp_path / "tp" / "e"):
+        out = io.StringIO()
+        assert show(part, out=out) == 0
+        # the same, but for the last line, which names what was read
+        assert out.getvalue().splitlines()[:-1] == shown.splitlines()[:-1]
 
 
 def test_otlp() -> None:

@@ -43,7 +43,7 @@ from trace_proxy.exporters.jsonl import JsonlExporter  # noqa: E402
 from trace_proxy.exporters.mlflow import MlflowExporter, create, trace_id_of  # noqa: E402
 from trace_proxy.exporters.mlflow_names import label_tag, literal, substitute  # noqa: E402
 from trace_proxy.proxy.service import ProxyService  # noqa: E402
-from trace_proxy.storenames import digest  # noqa: E402
+from trace_proxy.store.names import digest  # noqa: E402
 from trace_proxy.trajectories.prompts import transcript_of  # noqa: E402
 from trace_proxy.trajectories.record import (  # noqa: E402
     Annotation,

@@ -41,7 +41,7 @@ from trace_proxy.exporters.otlp import (
     parse_headers,
 )
 from trace_proxy.proxy.service import ProxyService
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.prompts import share_prefixes
 from trace_proxy.trajectories.record import (
     Annotation,

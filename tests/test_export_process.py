@@ -17,7 +17,7 @@ from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.config import ConfigError
 from trace_proxy.processes.export import ExportProcess
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 
 
 async def rollouts(session: aiohttp.ClientSession, proxy: str, step: int, count: int) -> None:

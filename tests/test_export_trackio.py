@@ -42,7 +42,7 @@ from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.exporters.trackio import ANNOTATION_KEY, TRACE_KEY, TrackioExporter, create
 from trace_proxy.proxy.service import ProxyService
-from trace_proxy.storenames import store_name
+from trace_proxy.store.names import store_name
 
 # Not importorskip: importing trackio here would fix its directory before the fixture sets it.
 pytestmark = pytest.mark.skipif(

@@ -21,7 +21,7 @@ from trace_proxy.capture.sse import iter_data
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
 from trace_proxy.safejson import TOO_DEEP
-from trace_proxy.storenames import store_name
+from trace_proxy.store.names import store_name
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.record import GenerateCall, Record, Trajectory, dumps, ids_list

@@ -15,8 +15,8 @@ import aiohttp
 from aiohttp.test_utils import TestClient, TestServer
 from proxy_helpers import running_proxy
 
-from trace_proxy.replicas import store_roots
 from trace_proxy.show import show
+from trace_proxy.store.replicas import store_roots
 from trace_proxy.ui.index import StoreIndex
 from trace_proxy.ui.server import Viewer, trajectory_url
 
@@ -70,7 +70,7 @@ async def test_a_trajectory_whose_calls_reached_two_proxies_reads_as_one(
 
 
 def test_joined_calls_are_in_order_with_whole_prompts() -> None:
-    from trace_proxy.replicas import joined
+    from trace_proxy.store.replicas import joined
 
     def call(index: int, start: float, ids: list[int], ref: int | None = None) -> dict[str, Any]:
         shared = None if ref is None else {"token_ids": 2}

@@ -11,9 +11,15 @@ import aiohttp
 import pytest
 from fakes import FakeVLLM
 from proxy_helpers import running_proxy, trajectories
+from ui_records import annotation, append, run_dir, step_file, trajectory
 
 from trace_proxy.client import RewardRejected, post_reward
-from trace_proxy.show import iter_records, show
+from trace_proxy.show import show
+from trace_proxy.store.annotations import merged_outcome
+from trace_proxy.store.readers import iter_records
+from trace_proxy.trajectories.record import RolloutKey, Trajectory
+from trace_proxy.trajectories.rewards import Outcome, apply
+from trace_proxy.ui.index import StoreIndex
 
 
 async def generate(proxy: str, headers: dict[str, str]) -> None:
@@ -111,3 +117,39 @@ async def test_bad_requests_and_the_admin_token(
                     assert response.status == 400
                     assert message in (await response.json())["error"]
     assert b"s3cret" not in b"".join(p.read_bytes() for p in tmp_path.rglob("*.jsonl"))
+
+
+def test_a_late_reward_is_merged_one_way_by_every_reader(tmp_path: Path) -> None:
+    """`show`, the viewer and a trajectory waiting for its step apply later posts alike: the
+    latest reward and score given win, labels add up (a note's over the record's)."""
+    notes: list[dict[str, Any]] = [
+        {"reward": 1.0, "score": None, "labels": {"b": 2}},
+        {"reward": None, "score": 0.5, "labels": {"c": 3}},
+        {"reward": 0.25, "score": None, "labels": {}},
+    ]
+    expected = {"reward": 0.25, "score": 0.5, "labels": {"a": 1, "b": 2, "c": 3}}
+    record: dict[str, Any] = {"reward": 0.0, "score": None, "labels": {"a": 1, "b": 1}}
+    for note in notes:  # as `show` applies them
+        record.update(merged_outcome(record, note))
+    assert record == expected
+
+    key = RolloutKey(project="proj", experiment="exp", step=1, sample_index=0)
+    waiting = Trajectory(id="w", key=key, start=1.0, end=2.0, status="ok", close_reason="done",
+                         calls=[], reward=0.0, labels={"a": 1, "b": 1})  # fmt: skip
+    for note in notes:
+        apply(waiting, Outcome({}, **note))
+    assert {"reward": waiting.reward, "score": waiting.score, "labels": waiting.labels} == expected
+
+    stored = trajectory(reward=0.0, labels={"a": 1, "b": 1})
+    path = step_file(run_dir(tmp_path), 1)
+    append(path, stored, *({**annotation([stored["id"]], 0.0), **note} for note in notes))
+    index = StoreIndex([tmp_path])
+    index.refresh(force=True)
+    [run] = index.runs.values()
+    entry = run.by_id[stored["id"]]
+    record = index.read_record(entry)
+    assert {name: record[name] for name in expected} == expected
+    # The viewer reads a store as it is: what is not a number is no reward.
+    append(path, {**annotation([stored["id"]], 0.0), "reward": "high"})
+    index.refresh(force=True)
+    assert entry.reward == expected["reward"]

@@ -12,7 +12,7 @@ from fakes import FakeVLLM
 from proxy_helpers import metric, running_proxy, trajectories
 
 from trace_proxy.config import resolve
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.sampler import sample_hash
 
 SAMPLES, ROLLOUTS, TURNS = 10, 2, 2

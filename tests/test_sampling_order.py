@@ -23,7 +23,7 @@ from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.record import Record, StepSummary, Trajectory

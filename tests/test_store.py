@@ -10,7 +10,8 @@ import orjson
 import pytest
 
 from trace_proxy.exporters.jsonl import JsonlExporter
-from trace_proxy.show import iter_records, show
+from trace_proxy.show import show
+from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.record import (
     Annotation,
     CallError,

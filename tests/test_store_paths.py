@@ -24,10 +24,12 @@ from fakes import FakeVLLM
 from proxy_helpers import raw_post, running_proxy, trajectories
 
 from trace_proxy.client import post_reward
-from trace_proxy.exporters import jsonl
-from trace_proxy.exporters.jsonl import NAME_FILE, JsonlExporter
-from trace_proxy.show import iter_records, show
-from trace_proxy.storenames import digest, store_name
+from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.show import show
+from trace_proxy.store import layout
+from trace_proxy.store.layout import NAME_FILE
+from trace_proxy.store.names import digest, store_name
+from trace_proxy.store.readers import iter_records, run_records
 from trace_proxy.trajectories.keys import HEADER_NAMES
 from trace_proxy.trajectories.record import RolloutKey, Trajectory
 
@@ -244,8 +246,8 @@ def test_names_differing_only_in_case_on_a_case_insensitive_filesystem(
 ) -> None:
     out = tmp_path / "out"
     (out / "legacy" / "Old").mkdir(parents=True)  # an earlier version's directory: no name file
-    monkeypatch.setattr(jsonl, "os", CaseInsensitiveOs(out))
-    monkeypatch.setattr(jsonl, "KNOWN_DIRECTORIES", 1)  # decided again and again: the same
+    monkeypatch.setattr(layout, "os", CaseInsensitiveOs(out))
+    monkeypatch.setattr(layout, "KNOWN_DIRECTORIES", 1)  # decided again and again: the same
     values = [("P", "GRPO"), ("P", "grpo"), ("P", "Grpo"), ("p", "grpo"), ("legacy", "old"),
               ("legacy", "Old")]  # fmt: skip
     for round_ in range(2):  # a second process finds the same directories
@@ -289,7 +291,7 @@ def test_an_earlier_versions_directories_are_kept_and_nothing_outside_is_followe
         f"linked~{digest('linked')}/e": {("linked", "e")},
         f"p/dangling~{digest('dangling')}": {("p", "dangling")},
     }
-    ids = [r["id"] for _, r in iter_records(out / "p" / "e")]
+    ids = [r["id"] for _, r in run_records(out / "p" / "e")]
     assert ids == ["old", "p/e/0"]  # the same file, taken over
     assert name_file(out / "p") == "p" and name_file(out / "p" / "e") == "e"
 

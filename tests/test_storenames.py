@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from trace_proxy.storenames import (
+from trace_proxy.store.names import (
     EMPTY,
     MARK,
     MAX_NAME,

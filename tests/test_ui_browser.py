@@ -25,7 +25,7 @@ import orjson
 import pytest
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.prompts import transcript_of
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

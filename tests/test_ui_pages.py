@@ -13,7 +13,7 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from ui_records import annotation, append, call, run_dir, step_file, trajectory
 
-from trace_proxy.storenames import store_name
+from trace_proxy.store.names import store_name
 from trace_proxy.ui.index import StoreIndex
 from trace_proxy.ui.server import Viewer, is_loopback
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.exporters.jsonl import NAME_FILE
-from trace_proxy.storenames import store_name
+from trace_proxy.store.layout import NAME_FILE
+from trace_proxy.store.names import store_name
 
 SCHEMA = "trace-proxy.trajectory/3"
 

@@ -5,7 +5,7 @@ was asked (the newest message, or decoded prompt text) and what came back (text,
 Several stores (one per replica, each sidecar writing its own) read as one: the records of the
 same project and experiment are shown together, ordered by step and sample across the stores,
 and each step's summaries add up to one. An output whose proxies wrote replica directories
-(`<output>/replicas/*`, see replicas.py) is such a set of stores.
+(`<output>/replicas/*`, see store/replicas.py) is such a set of stores.
 
 Nearly every string of a record came from a request or a response (names, ids, models, routes,
 tool calls, error messages, labels), so every line goes through `printable` on its way out:
@@ -19,27 +19,13 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-import orjson
-
 from trace_proxy.logtext import printable
-from trace_proxy.replicas import joined, merged_summary, store_roots
+from trace_proxy.store.annotations import merged_outcome
+from trace_proxy.store.readers import iter_records, run_records, runs
+from trace_proxy.store.replicas import joined, merged_summary, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
 
-
-def iter_records(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """Every complete record under `directory`, file by file in name order.
-
-    A torn last line (a crash mid-write) is skipped: only newline-terminated lines count.
-    """
-    for path in sorted(directory.rglob("*.jsonl")):
-        yield from _read_records(path)
-
-
-def _read_records(path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
-    data = path.read_bytes()
-    for line in data.split(b"\n")[:-1]:
-        if line.strip():
-            yield path, orjson.loads(line)
+__all__ = ["iter_records", "show"]  # a store's records one by one, and the command
 
 
 def show(
@@ -108,12 +94,9 @@ def show(
 def _by_experiment(roots: Sequence[Path]) -> Iterator[list[dict[str, Any]]]:
     """Records grouped by the directory (project/experiment) they are stored in, relative to
     their store: the same experiment's directories in several stores make one group."""
-    groups: dict[Path, list[Path]] = {}
-    for root in roots:
-        for directory in sorted({path.parent for path in root.rglob("*.jsonl")}):
-            groups.setdefault(directory.relative_to(root), []).append(directory)
-    for relative in sorted(groups):
-        stored = [(d, record) for d in groups[relative] for _, record in _records_in(d)]
+    groups = runs(roots, parts=True)
+    for name in sorted(groups):
+        stored = [(d, record) for d in groups[name] for _, record in run_records(d)]
         if stored:
             yield _one_summary_per_step(_one_trajectory_per_id(stored))
 
@@ -152,12 +135,6 @@ def _one_summary_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]
     return others + [summary for summary in merged if summary is not None]
 
 
-def _records_in(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
-    """The records of one experiment directory's own files (not of directories below it)."""
-    for path in sorted(directory.glob("*.jsonl")):
-        yield from _read_records(path)
-
-
 def _apply_annotations(records: list[dict[str, Any]]) -> list[str]:
     """Late rewards onto the trajectories they name; lines for those naming none seen here."""
     by_id = {r.get("id"): r for r in records if r.get("record") == "trajectory"}
@@ -165,13 +142,7 @@ def _apply_annotations(records: list[dict[str, Any]]) -> list[str]:
     for note in (r for r in records if r.get("record") == "annotation"):
         targets = [by_id[i] for i in note.get("trajectories") or [] if i in by_id]
         for trajectory in targets:
-            for name in ("reward", "score"):
-                if note.get(name) is not None:
-                    trajectory[name] = note[name]
-            trajectory["labels"] = {
-                **(trajectory.get("labels") or {}),
-                **(note.get("labels") or {}),
-            }
+            trajectory.update(merged_outcome(trajectory, note))
         if not targets:
             orphans.append(f"-- reward for {note.get('target')} (no such trajectory stored here): "
                            f"{_outcome(note)}")  # fmt: skip

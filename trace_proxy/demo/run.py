@@ -23,7 +23,7 @@ import aiohttp
 from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.proxy.service import ProxyService
-from trace_proxy.show import iter_records
+from trace_proxy.store.readers import iter_records
 
 TOOLS: list[dict[str, Any]] = [
     {

@@ -62,7 +62,7 @@ from trace_proxy.exporters.mlflow_names import (
     literal,
     substitute,
 )
-from trace_proxy.storenames import digest
+from trace_proxy.store.names import digest
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import Annotation, Record, StepSummary, Trajectory, dumps
 

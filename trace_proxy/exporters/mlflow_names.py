@@ -29,7 +29,7 @@ from typing import Any
 from mlflow.exceptions import MlflowException
 from mlflow.utils.search_utils import SearchUtils
 
-from trace_proxy.storenames import digest
+from trace_proxy.store.names import digest
 
 NAME_DIGEST_TAG = "trace_proxy.name_digest"  # on runs: digest(name) of the name they stand for
 PROJECT_TAG = "trace_proxy.project"  # on an experiment named by a substitute: the project

@@ -70,7 +70,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.storenames import store_name
+from trace_proxy.store.names import store_name
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.storenames import store_name
+from trace_proxy.store.names import store_name
 from trace_proxy.trajectories.keys import MAX_VALUE_LEN
 from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
 from trace_proxy.trajectories.record import (
@@ -223,7 +223,7 @@ def build_trajectory(open_: OpenTrajectory, reason: str) -> Trajectory:
 
 def store_name_notes(key: RolloutKey) -> list[dict[str, Any]]:
     """A note for each of project and experiment whose directory in the store is not named as
-    the value (`trace_proxy.storenames`): the key keeps the value as it was sent."""
+    the value (`trace_proxy.store.names`): the key keeps the value as it was sent."""
     notes = []
     for field_name in ("project", "experiment"):
         value: str = getattr(key, field_name)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from trace_proxy.store.annotations import merged_outcome
 from trace_proxy.trajectories.record import RolloutKey, Trajectory
 
 TARGET_FIELDS = {
@@ -97,11 +98,14 @@ def matches(key: RolloutKey, target: Mapping[str, Any]) -> bool:
 
 
 def apply(trajectory: Trajectory, outcome: Outcome) -> None:
-    if outcome.reward is not None:
-        trajectory.reward = outcome.reward
-    if outcome.score is not None:
-        trajectory.score = outcome.score
-    trajectory.labels.update(outcome.labels)
+    """An outcome onto a trajectory not yet written, as readers merge a late one into its
+    record (`merged_outcome`)."""
+    merged = merged_outcome(
+        {"reward": trajectory.reward, "score": trajectory.score, "labels": trajectory.labels},
+        {"reward": outcome.reward, "score": outcome.score, "labels": outcome.labels},
+    )
+    trajectory.reward, trajectory.score = merged["reward"], merged["score"]
+    trajectory.labels = merged["labels"]
 
 
 class ExportedIndex:

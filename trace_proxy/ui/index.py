@@ -18,20 +18,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import stat
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import orjson
 
-from trace_proxy.exporters.jsonl import NAME_FILE
-from trace_proxy.replicas import merged_summary, store_roots
-from trace_proxy.storenames import decode_name
+from trace_proxy.store.annotations import merged_outcome
+from trace_proxy.store.readers import directory_value, jsonl_files, open_no_link, runs
+from trace_proxy.store.replicas import merged_summary, store_roots
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index
@@ -220,23 +219,21 @@ class StoreIndex:
                 return self.generation
             self._refreshed = now
             for number, root in enumerate(self.stores):
-                for replica in store_roots(root):
-                    for project_dir, experiment_dir, path in _run_directories(replica):
-                        ref = (number, project_dir, experiment_dir)
-                        run = self.runs.get(ref)
-                        if run is None:
-                            run = self.runs[ref] = Run(
-                                number, project_dir, experiment_dir, [],
-                                _dir_value(replica / project_dir), _dir_value(path),
-                            )  # fmt: skip
-                        if path not in run.paths:
-                            run.paths.append(path)
+                for (project_dir, experiment_dir), paths in runs(store_roots(root)).items():
+                    ref = (number, project_dir, experiment_dir)
+                    run = self.runs.get(ref)
+                    if run is None:
+                        run = self.runs[ref] = Run(
+                            number, project_dir, experiment_dir, [],
+                            _dir_value(paths[0].parent), _dir_value(paths[0]),
+                        )  # fmt: skip
+                    run.paths += [path for path in paths if path not in run.paths]
             for run in self.runs.values():
                 self._refresh_run(run)
             return self.generation
 
     def _refresh_run(self, run: Run) -> None:
-        found = [(d / n, info) for d in run.paths for n, info in _jsonl_files(d)]
+        found = [(d / n, info) for d in run.paths for n, info in jsonl_files(d)]
         for file, info in found:
             name = str(file)
             state = run.files.get(name)
@@ -476,13 +473,20 @@ def _apply_note(run: Run, note: dict[str, Any]) -> None:
 
 
 def _annotate(entry: Entry, note: dict[str, Any]) -> None:
-    for name in ("reward", "score"):
-        value = _float_or_none(note.get(name))
-        if value is not None:
-            setattr(entry, name, value)
-    if isinstance(note.get("labels"), dict) and note["labels"]:
-        labels = json.loads(entry.labels) if entry.labels and _is_json_object(entry.labels) else {}
-        entry.labels = _labels_text({**labels, **note["labels"]})
+    """`note` merged into `entry`: numbers only (a store is read as it is), and the labels,
+    kept as text cut at LABELS_CAP, written again only when the note gives some."""
+    labels = note["labels"] if isinstance(note.get("labels"), dict) and note["labels"] else None
+    kept = None
+    if labels is not None and entry.labels and _is_json_object(entry.labels):
+        kept = json.loads(entry.labels)
+    merged = merged_outcome(
+        {"reward": entry.reward, "score": entry.score, "labels": kept},
+        {**note, "labels": labels},
+        _float_or_none,
+    )
+    entry.reward, entry.score = merged["reward"], merged["score"]
+    if labels is not None:
+        entry.labels = _labels_text(merged["labels"])
     entry.annotated = True
 
 
@@ -500,54 +504,9 @@ def _labels_text(labels: Any) -> str | None:
     return text if len(text) <= LABELS_CAP else text[: LABELS_CAP - 1] + "…"
 
 
-def _run_directories(root: Path) -> Iterator[tuple[str, str, Path]]:
-    for project in _subdirectories(root):
-        for experiment in _subdirectories(root / project):
-            yield project, experiment, root / project / experiment
-
-
-def _subdirectories(path: Path) -> list[str]:
-    """Names of the real directories in `path` (no symbolic links, nothing hidden: `.spool`)."""
-    try:
-        with os.scandir(path) as listing:
-            return sorted(
-                e.name for e in listing
-                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
-            )  # fmt: skip
-    except OSError:
-        return []
-
-
-def _jsonl_files(path: Path) -> list[tuple[str, os.stat_result]]:
-    found = []
-    try:
-        with os.scandir(path) as listing:
-            for item in listing:
-                if not item.name.endswith(".jsonl") or item.name.startswith("."):
-                    continue
-                info = item.stat(follow_symlinks=False)
-                if stat.S_ISREG(info.st_mode):
-                    found.append((item.name, info))
-    except OSError:
-        return []
-    return sorted(found)
-
-
-def open_no_link(path: Path) -> BinaryIO:
-    """`path` for reading, refusing a symbolic link put there since the store was listed."""
-    return os.fdopen(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb")
-
-
 def _dir_value(path: Path) -> str:
-    """The value a store directory is for: its name file, else its decoded name."""
-    try:
-        with open_no_link(path / NAME_FILE) as handle:
-            value = json.loads(handle.read(4 * NAME_CAP + 1024).decode("utf-8"))
-        if isinstance(value, str):
-            return value[:NAME_CAP]
-    except (OSError, ValueError):
-        pass
-    return (decode_name(path.name) or path.name)[:NAME_CAP]
+    """The value a store directory is for, as the index keeps it."""
+    return directory_value(path, 4 * NAME_CAP + 1024)[:NAME_CAP]
 
 
 def as_dict(value: Any) -> dict[str, Any]:

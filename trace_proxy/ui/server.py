@@ -27,7 +27,7 @@ from aiohttp import web
 
 from trace_proxy.config import Settings
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
-from trace_proxy.replicas import joined
+from trace_proxy.store.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import views
 from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
