@@ -178,7 +178,14 @@ def test_what_is_shared_reads_back_as_sent(
             continue
         stored_prompt = record["calls"][position]["prompt"]
         count = len(sent[position - 1]["messages"] or [])
-        if before == "tweaked":  # stored as sent, from the changed reply on
+        tweaked_into_another = (
+            stored_prompt["prefix_reply"] is not None
+            and chosen is not None
+            and stored_prompt["prefix_reply"]["output"] != chosen.index
+        )
+        if before == "tweaked" and not tweaked_into_another:
+            # stored as sent, from the changed reply on (unless the change made it another
+            # choice's reply exactly: then that choice is named, as for a plain reply)
             assert stored_prompt["prefix_reply"] is None
             assert stored_prompt["prefix_len"] == {"messages": count}
             assert stored_prompt["messages"] == sent[position]["messages"][count:]
