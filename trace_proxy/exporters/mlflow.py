@@ -48,7 +48,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -65,9 +66,6 @@ from trace_proxy.exporters.mlflow_names import (
 from trace_proxy.storenames import digest
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import Annotation, Record, StepSummary, Trajectory, dumps
-
-if TYPE_CHECKING:
-    from trace_proxy.config import Settings
 
 # Before MLflow is imported: a proxy never phones home; MLFLOW_DISABLE_TELEMETRY=false overrides.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -807,17 +805,28 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
         yield items[start : start + size]
 
 
-def default_tracking_uri(settings: Settings) -> str:
+@dataclass(frozen=True)
+class MlflowConfig:
+    """What the mlflow backend is told: `--mlflow-tracking-uri` (None: the default below),
+    `--output` (where that default database goes), `--project`, `--mlflow-run`."""
+
+    tracking_uri: str | None
+    output: Path
+    project: str
+    run: str | None = None
+
+
+def default_tracking_uri(config: MlflowConfig) -> str:
     """--mlflow-tracking-uri, else MLFLOW_TRACKING_URI, else sqlite under --output."""
-    if settings.mlflow_tracking_uri:
-        return settings.mlflow_tracking_uri
+    if config.tracking_uri:
+        return config.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    return "sqlite:///" + str((settings.output / "mlflow.db").absolute())
+    return "sqlite:///" + str((config.output / "mlflow.db").absolute())
 
 
-def create(settings: Settings) -> MlflowExporter:
-    return MlflowExporter(default_tracking_uri(settings), settings.project, settings.mlflow_run)
+def create(config: MlflowConfig) -> MlflowExporter:
+    return MlflowExporter(default_tracking_uri(config), config.project, config.run)
 
 
-__all__ = ["MlflowExporter", "create", "render", "trace_id_of"]
+__all__ = ["MlflowConfig", "MlflowExporter", "create", "render", "trace_id_of"]

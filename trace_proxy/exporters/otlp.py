@@ -49,7 +49,8 @@ import hashlib
 import logging
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -76,9 +77,6 @@ from trace_proxy.trajectories.record import (
     dumps,
     ids_count,
 )
-
-if TYPE_CHECKING:
-    from trace_proxy.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -316,8 +314,17 @@ class OtlpExporter:
         return 300 + _content_size(attributes)
 
 
-def create(settings: Settings) -> OtlpExporter:
-    return OtlpExporter(settings.otlp_endpoint, parse_headers(settings.otlp_header))
+@dataclass(frozen=True)
+class OtlpConfig:
+    """What the otlp backend is told: `--otlp-endpoint`, and the `--otlp-header` items
+    (`NAME=VALUE`, checked by `create`)."""
+
+    endpoint: str
+    headers: tuple[str, ...] = ()
+
+
+def create(config: OtlpConfig) -> OtlpExporter:
+    return OtlpExporter(config.endpoint, parse_headers(config.headers))
 
 
 def parse_headers(items: Iterable[str]) -> dict[str, str]:

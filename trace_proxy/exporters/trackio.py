@@ -63,9 +63,10 @@ import logging
 import os
 import sys
 from collections import OrderedDict
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
@@ -73,9 +74,6 @@ from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.storenames import store_name
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
-
-if TYPE_CHECKING:
-    from trace_proxy.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +215,17 @@ class TrackioExporter:
         return self._trackio.Trace(messages, metadata=metadata, spans=spans)
 
 
-def create(settings: Settings) -> TrackioExporter:
-    return TrackioExporter(settings.project, settings.trackio_dir)
+@dataclass(frozen=True)
+class TrackioConfig:
+    """What the trackio backend is told: `--project` (of records that name none) and
+    `--trackio-dir` (None: TRACKIO_DIR, else trackio's own default)."""
+
+    project: str
+    directory: Path | None = None
+
+
+def create(config: TrackioConfig) -> TrackioExporter:
+    return TrackioExporter(config.project, config.directory)
 
 
 def _import_trackio(directory: Path | None) -> Any:

@@ -71,6 +71,7 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
@@ -83,8 +84,6 @@ from trace_proxy.trajectories.record import KEY_FIELDS, Record, Trajectory, dump
 if TYPE_CHECKING:
     from weave.trace.call import Call
     from weave.vendor.weave_server_sdk.types import CallEndParams, CallStartParams
-
-    from trace_proxy.config import Settings
 
 # Before weave is imported: a proxy never phones home (weave reports its own errors to Sentry);
 # WANDB_ERROR_REPORTING=true overrides.
@@ -347,15 +346,23 @@ class WeaveExporter:
         )
 
 
-def create(settings: Settings) -> WeaveExporter:
+@dataclass(frozen=True)
+class WeaveConfig:
+    """What the weave backend is told: `--weave-entity` (None: WANDB_ENTITY) and `--project`."""
+
+    entity: str | None
+    project: str
+
+
+def create(config: WeaveConfig) -> WeaveExporter:
     """Entity from --weave-entity or WANDB_ENTITY, project from --project, key from
     WANDB_API_KEY, server from WF_TRACE_SERVER_URL (else Weave's default)."""
-    entity = settings.weave_entity or os.environ.get("WANDB_ENTITY", "")
+    entity = config.entity or os.environ.get("WANDB_ENTITY", "")
     if not entity:
         raise ValueError(
             "the weave backend needs --weave-entity or WANDB_ENTITY (the W&B entity to log to)"
         )
-    return WeaveExporter(entity, settings.project)
+    return WeaveExporter(entity, config.project)
 
 
 # --- rendering ---------------------------------------------------------------------------------
