@@ -63,7 +63,7 @@ def test_otlp() -> None:
 
 def test_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mlflow = pytest.importorskip("mlflow")
-    from trace_proxy.exporters.mlflow import MlflowExporter, trace_id_of
+    from trace_proxy.exporters.backends.mlflow import MlflowExporter, trace_id_of
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)

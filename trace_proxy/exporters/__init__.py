@@ -33,7 +33,7 @@ def _otlp(settings: Settings) -> Exporter:
 
 
 def _mlflow(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.mlflow import MlflowConfig, create
+    from trace_proxy.exporters.backends.mlflow import MlflowConfig, create
 
     return create(
         MlflowConfig(

@@ -54,8 +54,7 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.exporters.mlflow_names import (
+from trace_proxy.exporters.backends.mlflow_names import (
     MAX_EXPERIMENT_TAG_VALUE,
     NAME_DIGEST_TAG,
     PROJECT_TAG,
@@ -63,6 +62,7 @@ from trace_proxy.exporters.mlflow_names import (
     literal,
     substitute,
 )
+from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.storenames import digest
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import Annotation, Record, StepSummary, Trajectory, dumps
