@@ -50,7 +50,7 @@ def test_jsonl_and_show(tmp_path: Path) -> None:
 def test_otlp() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from trace_proxy.exporters.otlp import OtlpExporter
+    from trace_proxy.exporters.backends.otlp import OtlpExporter
 
     memory = InMemorySpanExporter()
     OtlpExporter("http://unused", {}, span_exporter=memory).export([all_dropped()])

@@ -53,7 +53,7 @@ def trackio_items(stored: list[dict[str, Any]]) -> list[Any]:
 
 
 def otlp_spans(records: list[Record]) -> list[Any]:
-    from trace_proxy.exporters.otlp import OtlpExporter
+    from trace_proxy.exporters.backends.otlp import OtlpExporter
 
     memory = InMemorySpanExporter()
     exporter = OtlpExporter("http://127.0.0.1:9/v1/traces", {}, span_exporter=memory)

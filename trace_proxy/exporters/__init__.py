@@ -27,7 +27,7 @@ def _trackio(settings: Settings) -> Exporter:
 
 
 def _otlp(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.otlp import OtlpConfig, create
+    from trace_proxy.exporters.backends.otlp import OtlpConfig, create
 
     return create(OtlpConfig(endpoint=settings.otlp_endpoint, headers=tuple(settings.otlp_header)))
 
