@@ -80,7 +80,7 @@ def test_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("trackio") is None, reason="no trackio extra")
 def test_trackio(trackio_dir: Path) -> None:
     # Not importorskip: importing trackio would fix its directory before the exporter sets it.
-    from trace_proxy.exporters.trackio import TrackioExporter
+    from trace_proxy.exporters.backends.trackio import TrackioExporter
 
     project = f"tp-dropped-{uuid.uuid4().hex[:12]}"
     exporter = TrackioExporter(project, trackio_dir)

@@ -40,7 +40,7 @@ def mlflow_traces(records: list[Record]) -> list[Any]:
 
 
 def trackio_items(stored: list[dict[str, Any]]) -> list[Any]:
-    from trace_proxy.exporters.trackio import annotation_metadata, render_trajectory
+    from trace_proxy.exporters.backends.trackio import annotation_metadata, render_trajectory
 
     rendered: list[Any] = []
     for data in stored:

@@ -21,7 +21,7 @@ def _jsonl(settings: Settings) -> Exporter:
 
 
 def _trackio(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.trackio import TrackioConfig, create
+    from trace_proxy.exporters.backends.trackio import TrackioConfig, create
 
     return create(TrackioConfig(project=settings.project, directory=settings.trackio_dir))
 
