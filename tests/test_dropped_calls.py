@@ -98,7 +98,7 @@ async def test_weave() -> None:
     pytest.importorskip("weave")
     from fakes.weave_server import FakeWeaveServer
 
-    from trace_proxy.exporters.weave import WeaveExporter, call_id
+    from trace_proxy.exporters.backends.weave import WeaveExporter, call_id
 
     record = all_dropped()
     fake = FakeWeaveServer()

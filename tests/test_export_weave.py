@@ -42,7 +42,7 @@ os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 pytest.importorskip("weave")
 from fakes.weave_server import FakeWeaveServer
 
-from trace_proxy.exporters.weave import WeaveExporter, WeaveExportError, call_id
+from trace_proxy.exporters.backends.weave import WeaveExporter, WeaveExportError, call_id
 
 KEY = "k" * 40
 AUTHORIZATION = "Basic " + base64.b64encode(f"api:{KEY}".encode()).decode()
@@ -328,7 +328,7 @@ async def test_backend_weave_needs_an_entity(
 IMPORTS_FROM_WORKER_THREADS = """
 import asyncio, builtins, sys, threading
 from fakes.weave_server import FakeWeaveServer
-from trace_proxy.exporters.weave import WeaveExporter
+from trace_proxy.exporters.backends.weave import WeaveExporter
 from test_dropped_calls import all_dropped
 
 imported_by_workers = []

@@ -83,7 +83,7 @@ def otlp_spans(records: list[Record]) -> list[Any]:
 async def weave_calls(records: list[Record]) -> list[Any]:
     from fakes.weave_server import FakeWeaveServer
 
-    from trace_proxy.exporters.weave import WeaveExporter
+    from trace_proxy.exporters.backends.weave import WeaveExporter
 
     server = FakeWeaveServer()
     async with server.serve() as url:

@@ -46,7 +46,7 @@ def _mlflow(settings: Settings) -> Exporter:
 
 
 def _weave(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.weave import WeaveConfig, create
+    from trace_proxy.exporters.backends.weave import WeaveConfig, create
 
     return create(WeaveConfig(entity=settings.weave_entity, project=settings.project))
 
