@@ -31,7 +31,7 @@ from typing import Any
 import aiohttp
 import orjson
 
-from trace_proxy.exporters.jsonl import NAME_FILE
+from trace_proxy.exporters.backends.jsonl import NAME_FILE
 from trace_proxy.show import iter_records
 from trace_proxy.ui.index import StoreIndex
 from trace_proxy.ui.server import start

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from trace_proxy.capture.metadata import KeyHints
-from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.show import show
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.record import Trajectory

@@ -39,10 +39,10 @@ from trace_proxy.config import Settings  # noqa: E402
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer  # noqa: E402
 from trace_proxy.exporters import BACKENDS  # noqa: E402
 from trace_proxy.exporters.backends import mlflow as mlflow_exporter  # noqa: E402
+from trace_proxy.exporters.backends.jsonl import JsonlExporter  # noqa: E402
 from trace_proxy.exporters.backends.mlflow import MlflowExporter, trace_id_of  # noqa: E402
 from trace_proxy.exporters.backends.mlflow_names import label_tag, literal, substitute  # noqa: E402
 from trace_proxy.exporters.base import ExportRejected  # noqa: E402
-from trace_proxy.exporters.jsonl import JsonlExporter  # noqa: E402
 from trace_proxy.proxy.service import ProxyService  # noqa: E402
 from trace_proxy.storenames import digest  # noqa: E402
 from trace_proxy.trajectories.prompts import transcript_of  # noqa: E402

@@ -33,13 +33,13 @@ from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.exporters import BACKENDS
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.exporters.backends.otlp import (
     REJECTED_STATUSES,
     OtlpExporter,
     OtlpExportError,
     parse_headers,
 )
-from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.show import iter_records
 from trace_proxy.trajectories.prompts import share_prefixes

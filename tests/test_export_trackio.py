@@ -40,8 +40,8 @@ from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.exporters import BACKENDS
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.exporters.backends.trackio import ANNOTATION_KEY, TRACE_KEY, TrackioExporter
-from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.storenames import store_name
 

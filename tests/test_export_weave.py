@@ -24,8 +24,8 @@ from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.client import post_reward
 from trace_proxy.config import ConfigError, Settings
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.trajectories.record import (
     CallError,

@@ -25,8 +25,8 @@ from proxy_helpers import raw_post, running_proxy, trajectories
 
 from trace_proxy.capture.metadata import HEADER_NAMES
 from trace_proxy.client import post_reward
-from trace_proxy.exporters import jsonl
-from trace_proxy.exporters.jsonl import NAME_FILE, JsonlExporter
+from trace_proxy.exporters.backends import jsonl
+from trace_proxy.exporters.backends.jsonl import NAME_FILE, JsonlExporter
 from trace_proxy.show import iter_records, show
 from trace_proxy.storenames import digest, store_name
 from trace_proxy.trajectories.record import RolloutKey, Trajectory

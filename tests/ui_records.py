@@ -11,7 +11,7 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.exporters.jsonl import NAME_FILE
+from trace_proxy.exporters.backends.jsonl import NAME_FILE
 from trace_proxy.storenames import store_name
 
 SCHEMA = "trace-proxy.trajectory/3"

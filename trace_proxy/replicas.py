@@ -16,7 +16,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from trace_proxy.exporters.jsonl import NAME_FILE
+from trace_proxy.exporters.backends.jsonl import NAME_FILE
 from trace_proxy.trajectories.prompts import expand_prompts
 from trace_proxy.trajectories.record import StepSummary
 

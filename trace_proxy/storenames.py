@@ -17,7 +17,7 @@ value goes through `store_name`: deterministic, injective, and always one compon
   only marks a shortened (or, in the store, disambiguated) name. `decode_name` reverses the rest.
 
 Names that differ only in case stay distinct here; on a case-insensitive filesystem they would
-share a directory, which the store resolves itself (see `trace_proxy/exporters/jsonl.py`).
+share a directory, which the store resolves itself (see `trace_proxy/exporters/backends/jsonl.py`).
 """
 
 from __future__ import annotations

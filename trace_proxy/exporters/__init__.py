@@ -15,7 +15,7 @@ ExporterFactory = Callable[[Settings], Exporter]
 
 
 def _jsonl(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.jsonl import JsonlExporter
+    from trace_proxy.exporters.backends.jsonl import JsonlExporter
 
     return JsonlExporter(settings.output)
 

@@ -29,7 +29,7 @@ from typing import Any, BinaryIO
 
 import orjson
 
-from trace_proxy.exporters.jsonl import NAME_FILE
+from trace_proxy.exporters.backends.jsonl import NAME_FILE
 from trace_proxy.replicas import merged_summary, store_roots
 from trace_proxy.storenames import decode_name
 
