@@ -95,10 +95,10 @@ async def record_trajectories(count: int) -> list[Any]:
 
 
 def exporter_throughput(records: list[Any], work: Path, sink: str) -> list[tuple[str, float, int]]:
-    from trace_proxy.exporters.jsonl import JsonlExporter
-    from trace_proxy.exporters.mlflow import MlflowExporter
-    from trace_proxy.exporters.otlp import OtlpExporter
-    from trace_proxy.exporters.trackio import TrackioExporter
+    from trace_proxy.exporters.backends.jsonl import JsonlExporter
+    from trace_proxy.exporters.backends.mlflow import MlflowExporter
+    from trace_proxy.exporters.backends.otlp import OtlpExporter
+    from trace_proxy.exporters.backends.trackio import TrackioExporter
 
     backends: list[tuple[str, Any]] = [
         ("jsonl", lambda: JsonlExporter(work / "jsonl")),

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.show import show
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.keys import KeyHints
@@ -56,7 +56,7 @@ def test_jsonl_and_show(tmp_path: Path) -> None:
 def test_otlp() -> None:
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    from trace_proxy.exporters.otlp import OtlpExporter
+    from trace_proxy.exporters.backends.otlp import OtlpExporter
 
     memory = InMemorySpanExporter()
     OtlpExporter("http://unused", {}, span_exporter=memory).export([all_dropped()])
@@ -69,7 +69,7 @@ def test_otlp() -> None:
 
 def test_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     mlflow = pytest.importorskip("mlflow")
-    from trace_proxy.exporters.mlflow import MlflowExporter, trace_id_of
+    from trace_proxy.exporters.backends.mlflow import MlflowExporter, trace_id_of
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
@@ -86,7 +86,7 @@ def test_mlflow(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(importlib.util.find_spec("trackio") is None, reason="no trackio extra")
 def test_trackio(trackio_dir: Path) -> None:
     # Not importorskip: importing trackio would fix its directory before the exporter sets it.
-    from trace_proxy.exporters.trackio import TrackioExporter
+    from trace_proxy.exporters.backends.trackio import TrackioExporter
 
     project = f"tp-dropped-{uuid.uuid4().hex[:12]}"
     exporter = TrackioExporter(project, trackio_dir)
@@ -104,7 +104,7 @@ async def test_weave() -> None:
     pytest.importorskip("weave")
     from fakes.weave_server import FakeWeaveServer
 
-    from trace_proxy.exporters.weave import WeaveExporter, call_id
+    from trace_proxy.exporters.backends.weave import WeaveExporter, call_id
 
     record = all_dropped()
     fake = FakeWeaveServer()

@@ -37,11 +37,12 @@ from mlflow.store.tracking.rest_store import RestStore  # noqa: E402
 from trace_proxy.client import post_reward  # noqa: E402
 from trace_proxy.config import Settings  # noqa: E402
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer  # noqa: E402
-from trace_proxy.exporters import mlflow as mlflow_exporter  # noqa: E402
+from trace_proxy.exporters import BACKENDS  # noqa: E402
+from trace_proxy.exporters.backends import mlflow as mlflow_exporter  # noqa: E402
+from trace_proxy.exporters.backends.jsonl import JsonlExporter  # noqa: E402
+from trace_proxy.exporters.backends.mlflow import MlflowExporter, trace_id_of  # noqa: E402
+from trace_proxy.exporters.backends.mlflow_names import label_tag, literal, substitute  # noqa: E402
 from trace_proxy.exporters.base import ExportRejected  # noqa: E402
-from trace_proxy.exporters.jsonl import JsonlExporter  # noqa: E402
-from trace_proxy.exporters.mlflow import MlflowExporter, create, trace_id_of  # noqa: E402
-from trace_proxy.exporters.mlflow_names import label_tag, literal, substitute  # noqa: E402
 from trace_proxy.proxy.service import ProxyService  # noqa: E402
 from trace_proxy.store.names import digest  # noqa: E402
 from trace_proxy.trajectories.prompts import transcript_of  # noqa: E402
@@ -575,13 +576,13 @@ def test_create_defaults_to_sqlite_under_the_output(
 ) -> None:
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     settings = dataclasses.replace(Settings(), output=tmp_path, project="p", mlflow_run="r")
-    exporter = create(settings)
+    exporter = BACKENDS["mlflow"](settings)
     assert exporter.tracking_uri == f"sqlite:///{tmp_path / 'mlflow.db'}"
     assert (exporter.project, exporter.run) == ("p", "r")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://mlflow:5000")
-    assert create(settings).tracking_uri == "http://mlflow:5000"
+    assert BACKENDS["mlflow"](settings).tracking_uri == "http://mlflow:5000"
     settings.mlflow_tracking_uri = "sqlite:////data/m.db"
-    assert create(settings).tracking_uri == "sqlite:////data/m.db"
+    assert BACKENDS["mlflow"](settings).tracking_uri == "sqlite:////data/m.db"
 
 
 # --- the http(s) path: MLflow's REST client and OTLP, against a tracking server ----------------

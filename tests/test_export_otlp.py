@@ -32,12 +32,12 @@ from proxy_helpers import closed_port, inline_pipeline, scripted_upstream
 from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
-from trace_proxy.exporters.jsonl import JsonlExporter
-from trace_proxy.exporters.otlp import (
+from trace_proxy.exporters import BACKENDS
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
+from trace_proxy.exporters.backends.otlp import (
     REJECTED_STATUSES,
     OtlpExporter,
     OtlpExportError,
-    create,
     parse_headers,
 )
 from trace_proxy.proxy.service import ProxyService
@@ -449,7 +449,7 @@ async def test_the_same_spans_arrive_over_otlp_http_with_the_configured_headers(
             Settings(), otlp_endpoint=url,
             otlp_header=["x-mlflow-experiment-id=12", "Authorization=Basic dXNlcjpwdw=="],
         )  # fmt: skip
-        exporter = create(settings)
+        exporter = BACKENDS["otlp"](settings)
         try:
             await asyncio.to_thread(exporter.export, recorded.records)
         finally:

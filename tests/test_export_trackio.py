@@ -39,8 +39,9 @@ from proxy_helpers import trajectories
 from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
-from trace_proxy.exporters.jsonl import JsonlExporter
-from trace_proxy.exporters.trackio import ANNOTATION_KEY, TRACE_KEY, TrackioExporter, create
+from trace_proxy.exporters import BACKENDS
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
+from trace_proxy.exporters.backends.trackio import ANNOTATION_KEY, TRACE_KEY, TrackioExporter
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.names import store_name
 
@@ -66,7 +67,7 @@ async def running(
         Settings(), upstream=[upstream], port=0, admin_port=0, output=output, project=project,
         backend=["jsonl", "trackio"], trackio_dir=trackio_dir, **overrides,
     )  # fmt: skip
-    service = ProxyService(settings, [JsonlExporter(output), create(settings)])
+    service = ProxyService(settings, [JsonlExporter(output), BACKENDS["trackio"](settings)])
     addresses = await service.start()
     try:
         yield service, addresses.proxy

@@ -24,8 +24,8 @@ from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.client import post_reward
 from trace_proxy.config import ConfigError, Settings
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.trajectories.record import (
     CallError,
@@ -42,7 +42,7 @@ os.environ.setdefault("WANDB_ERROR_REPORTING", "false")
 pytest.importorskip("weave")
 from fakes.weave_server import FakeWeaveServer
 
-from trace_proxy.exporters.weave import WeaveExporter, WeaveExportError, call_id
+from trace_proxy.exporters.backends.weave import WeaveExporter, WeaveExportError, call_id
 
 KEY = "k" * 40
 AUTHORIZATION = "Basic " + base64.b64encode(f"api:{KEY}".encode()).decode()
@@ -328,7 +328,7 @@ async def test_backend_weave_needs_an_entity(
 IMPORTS_FROM_WORKER_THREADS = """
 import asyncio, builtins, sys, threading
 from fakes.weave_server import FakeWeaveServer
-from trace_proxy.exporters.weave import WeaveExporter
+from trace_proxy.exporters.backends.weave import WeaveExporter
 from test_dropped_calls import all_dropped
 
 imported_by_workers = []

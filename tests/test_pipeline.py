@@ -15,8 +15,8 @@ from pathlib import Path
 
 from proxy_helpers import inline_pipeline, metric, trajectories
 
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.exporters.jsonl import JsonlExporter
 from trace_proxy.exporters.pipeline import ExportPipeline
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import Cursor, SpoolWriter
@@ -241,7 +241,7 @@ sys.path.insert(0, {tests!r})
 from pathlib import Path
 from proxy_helpers import inline_pipeline
 from test_pipeline import record
-from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 
 class CrashesAfterItsSecondBatch(JsonlExporter):
     batches = 0

@@ -9,7 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.show import show
 from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.record import (

@@ -24,7 +24,7 @@ from fakes import FakeVLLM
 from proxy_helpers import raw_post, running_proxy, trajectories
 
 from trace_proxy.client import post_reward
-from trace_proxy.exporters.jsonl import JsonlExporter
+from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.show import show
 from trace_proxy.store import layout
 from trace_proxy.store.layout import NAME_FILE

@@ -27,7 +27,7 @@ def as_records(stored: list[dict[str, Any]]) -> list[Record]:
 
 
 def mlflow_traces(records: list[Record]) -> list[Any]:
-    from trace_proxy.exporters.mlflow import outcome_tags, render
+    from trace_proxy.exporters.backends.mlflow import outcome_tags, render
 
     rendered: list[Any] = []
     for record in records:
@@ -40,7 +40,7 @@ def mlflow_traces(records: list[Record]) -> list[Any]:
 
 
 def trackio_items(stored: list[dict[str, Any]]) -> list[Any]:
-    from trace_proxy.exporters.trackio import annotation_metadata, render_trajectory
+    from trace_proxy.exporters.backends.trackio import annotation_metadata, render_trajectory
 
     rendered: list[Any] = []
     for data in stored:
@@ -53,7 +53,7 @@ def trackio_items(stored: list[dict[str, Any]]) -> list[Any]:
 
 
 def otlp_spans(records: list[Record]) -> list[Any]:
-    from trace_proxy.exporters.otlp import OtlpExporter
+    from trace_proxy.exporters.backends.otlp import OtlpExporter
 
     memory = InMemorySpanExporter()
     exporter = OtlpExporter("http://127.0.0.1:9/v1/traces", {}, span_exporter=memory)
@@ -83,7 +83,7 @@ def otlp_spans(records: list[Record]) -> list[Any]:
 async def weave_calls(records: list[Record]) -> list[Any]:
     from fakes.weave_server import FakeWeaveServer
 
-    from trace_proxy.exporters.weave import WeaveExporter
+    from trace_proxy.exporters.backends.weave import WeaveExporter
 
     server = FakeWeaveServer()
     async with server.serve() as url:

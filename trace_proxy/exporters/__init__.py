@@ -1,5 +1,8 @@
 """Backends that closed trajectories are exported to. Adding one = a module, a line here and
-its name in `config.BACKEND_NAMES`."""
+its name in `config.BACKEND_NAMES`.
+
+Each backend takes a small config of its own (what it needs of the options), built here from
+`Settings`: this is where options and exporters meet, so no backend module imports config."""
 
 from __future__ import annotations
 
@@ -12,33 +15,40 @@ ExporterFactory = Callable[[Settings], Exporter]
 
 
 def _jsonl(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.jsonl import JsonlExporter
+    from trace_proxy.exporters.backends.jsonl import JsonlExporter
 
     return JsonlExporter(settings.output)
 
 
 def _trackio(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.trackio import create
+    from trace_proxy.exporters.backends.trackio import TrackioConfig, create
 
-    return create(settings)
+    return create(TrackioConfig(project=settings.project, directory=settings.trackio_dir))
 
 
 def _otlp(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.otlp import create
+    from trace_proxy.exporters.backends.otlp import OtlpConfig, create
 
-    return create(settings)
+    return create(OtlpConfig(endpoint=settings.otlp_endpoint, headers=tuple(settings.otlp_header)))
 
 
 def _mlflow(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.mlflow import create
+    from trace_proxy.exporters.backends.mlflow import MlflowConfig, create
 
-    return create(settings)
+    return create(
+        MlflowConfig(
+            tracking_uri=settings.mlflow_tracking_uri,
+            output=settings.output,
+            project=settings.project,
+            run=settings.mlflow_run,
+        )
+    )
 
 
 def _weave(settings: Settings) -> Exporter:
-    from trace_proxy.exporters.weave import create
+    from trace_proxy.exporters.backends.weave import WeaveConfig, create
 
-    return create(settings)
+    return create(WeaveConfig(entity=settings.weave_entity, project=settings.project))
 
 
 BACKENDS: dict[str, ExporterFactory] = {

@@ -10,13 +10,14 @@ their Python constants are deprecated):
       chat {model}                     one per generate call of the `openai.chat` dialect
       text_completion {model}          one per generate call of any other dialect
       execute_tool {name}              one per tool span, linked to the call that asked for it
-Every span carries the exact start and end times of the record (Unix seconds as floats, turned
-into integer nanoseconds without float error). A call's `gen_ai.input.messages` is its full
-prompt (prefix sharing undone by `expand_prompts`; for token dialects the decoded text that
-token2text stored), `gen_ai.output.messages` its outputs, both JSON in the conventions' parts
-format. The rollout key sits on the root twice: as `rollout.*` attributes, and as
-`mlflow.traceTag.<field>` strings, which MLflow's OTLP ingestion turns into trace tags, so
-`tags.step = '1'` finds a step. Errors become span status ERROR with the message.
+The spans are mapped from the trajectory's neutral view (`spans.py`). Every span carries the
+exact start and end times of the record (Unix seconds as floats, turned into integer
+nanoseconds without float error: `spans.ns`). A call's `gen_ai.input.messages` is its full
+prompt (prefix sharing undone; for token dialects the decoded text that token2text stored),
+`gen_ai.output.messages` its outputs, both JSON in the conventions' parts format. The rollout
+key sits on the root twice: as `rollout.*` attributes, and as `mlflow.traceTag.<field>`
+strings, which MLflow's OTLP ingestion turns into trace tags, so `tags.step = '1'` finds a
+step. Errors become span status ERROR with the message.
 A `StepEvent` becomes a zero-length span `step_event {event}` in a trace of its own; step
 summaries and annotations are skipped (a late reward cannot change a trace already sent: it
 stays in the jsonl store).
@@ -38,9 +39,10 @@ failed are not sent again by its retry. `OTLPSpanExporter` itself retries 429/50
 connection errors with backoff (or the receiver's Retry-After) while that fits in its timeout
 (10 s, `OTEL_EXPORTER_OTLP_TRACES_TIMEOUT`) before it reports failure.
 
-Cost: one pass over the record building plain dicts, one orjson dump per message list, and the
-SDK's span objects; a call's full prompt is re-sent on every call (the conventions want the whole
-input per call), so content grows with turns x context, which is why requests are split.
+Cost: the span view (the record's fields read where they are), one orjson dump per message
+list, and the SDK's span objects; a call's full prompt is re-sent on every call (the
+conventions want the whole input per call), so content grows with turns x context, which is
+why requests are split.
 """
 
 from __future__ import annotations
@@ -48,8 +50,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
@@ -63,22 +66,16 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from trace_proxy import __version__
-from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.trajectories.prompts import expand_prompts
-from trace_proxy.trajectories.record import (
-    CallError,
-    GenerateCall,
-    Output,
-    Record,
-    StepEvent,
-    ToolCall,
-    Trajectory,
-    dumps,
-    ids_count,
+from trace_proxy.exporters.backends.spans import (
+    Generation,
+    Tool,
+    TrajectorySpans,
+    error_text,
+    ns,
+    trajectory_spans,
 )
-
-if TYPE_CHECKING:
-    from trace_proxy.config import Settings
+from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.trajectories.record import CallError, Record, StepEvent, Trajectory, dumps
 
 log = logging.getLogger(__name__)
 
@@ -221,50 +218,53 @@ class OtlpExporter:
         return self._event(record)
 
     def _trajectory(self, t: Trajectory) -> int:
-        conversation = t.key.trajectory_id or t.id
-        providers = _providers(t.calls)
-        calls = [_CallView(call, providers, conversation) for call in t.calls]
-        _fill_messages(t, calls)
-        start = min([t.start, *(c.call.start for c in calls), *(s.start for s in t.tools)])
-        ends = [t.end, *(c.call.end or 0.0 for c in calls), *(s.end or 0.0 for s in t.tools)]
+        view = trajectory_spans(t)
+        top = view.root
+        conversation = top.key.get("trajectory_id") or top.record_id
+        providers = _providers(view.calls)
+        calls = [_CallView(call, providers, conversation) for call in view.calls]
+        _fill_messages(view, calls)
+        start = min([top.start, *(c.start for c in view.calls), *(s.start for s in view.tools)])
+        ends = [top.end, *(c.end or 0.0 for c in view.calls), *(s.end or 0.0 for s in view.tools)]
         end = max(ends)
 
-        attributes = _root_attributes(t, conversation, providers, calls)
+        attributes = _root_attributes(view, conversation, calls)
         root = self._tracer.start_span(
             f"invoke_agent {AGENT_NAME}",
             context=Context(),
             kind=SpanKind.INTERNAL,
             attributes=attributes,
-            start_time=_ns(start),
+            start_time=ns(start),
         )
-        errors = [(c.call.index, c.call.error) for c in calls if c.call.error is not None]
-        if t.status == "error" or errors:
-            root.set_status(Status(StatusCode.ERROR, _root_error(errors, len(calls))))
+        failed = view.failed
+        if top.status == "error" or failed:
+            root.set_status(Status(StatusCode.ERROR, _root_error(failed, len(calls))))
         parent = trace.set_span_in_context(root)
         size = 500 + _content_size(attributes)
 
         contexts: list[trace.SpanContext] = []
-        for view in calls:
-            call = view.call
-            call_attributes = view.attributes()
+        for call_view in calls:
+            call = call_view.call
+            call_attributes = call_view.attributes()
+            operation = call_view.operation
             span = self._tracer.start_span(
-                f"{view.operation} {call.model}" if call.model else view.operation,
+                f"{operation} {call.model}" if call.model else operation,
                 context=parent,
                 kind=SpanKind.CLIENT,
                 attributes=call_attributes,
-                start_time=_ns(call.start),
+                start_time=ns(call.start),
             )
             if call.first_byte is not None:
-                span.add_event("first_byte", timestamp=_ns(call.first_byte))
+                span.add_event("first_byte", timestamp=ns(call.first_byte))
             for segment in call.segments or []:
                 _segment_event(span, segment)
             if call.error is not None:
-                span.set_status(Status(StatusCode.ERROR, _describe(call.error)))
+                span.set_status(Status(StatusCode.ERROR, error_text(call.error)))
             contexts.append(span.get_span_context())
-            span.end(end_time=_ns(call.end if call.end is not None else call.start))
+            span.end(end_time=ns(call.end if call.end is not None else call.start))
             size += 300 + _content_size(call_attributes)
 
-        for tool in t.tools:
+        for tool in view.tools:
             tool_attributes = _tool_attributes(tool, conversation)
             requested_by = tool.requested_by
             links = (
@@ -278,14 +278,14 @@ class OtlpExporter:
                 kind=SpanKind.INTERNAL,
                 attributes=tool_attributes,
                 links=links,
-                start_time=_ns(tool.start),
+                start_time=ns(tool.start),
             )
             if tool.error is not None:
-                span.set_status(Status(StatusCode.ERROR, _describe(tool.error)))
-            span.end(end_time=_ns(tool.end if tool.end is not None else max(tool.start, end)))
+                span.set_status(Status(StatusCode.ERROR, error_text(tool.error)))
+            span.end(end_time=ns(tool.end if tool.end is not None else max(tool.start, end)))
             size += 300 + _content_size(tool_attributes)
 
-        root.end(end_time=_ns(end))
+        root.end(end_time=ns(end))
         return size
 
     def _event(self, event: StepEvent) -> int:
@@ -308,16 +308,25 @@ class OtlpExporter:
             context=Context(),
             kind=SpanKind.INTERNAL,
             attributes=attributes,
-            start_time=_ns(event.time),
+            start_time=ns(event.time),
         )
         if event.error is not None:
             span.set_status(Status(StatusCode.ERROR, _describe(event.error)))
-        span.end(end_time=_ns(event.time))
+        span.end(end_time=ns(event.time))
         return 300 + _content_size(attributes)
 
 
-def create(settings: Settings) -> OtlpExporter:
-    return OtlpExporter(settings.otlp_endpoint, parse_headers(settings.otlp_header))
+@dataclass(frozen=True)
+class OtlpConfig:
+    """What the otlp backend is told: `--otlp-endpoint`, and the `--otlp-header` items
+    (`NAME=VALUE`, checked by `create`)."""
+
+    endpoint: str
+    headers: tuple[str, ...] = ()
+
+
+def create(config: OtlpConfig) -> OtlpExporter:
+    return OtlpExporter(config.endpoint, parse_headers(config.headers))
 
 
 def parse_headers(items: Iterable[str]) -> dict[str, str]:
@@ -387,24 +396,17 @@ def _trace_id(key: str) -> int:
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "big") or 1
 
 
-def _ns(seconds: float) -> int:
-    """Epoch seconds to integer nanoseconds: the float's exact value to the nearest ns (a plain
-    `seconds * 1e9` is off by up to 256 ns at today's epoch; the fraction alone is exact)."""
-    whole = int(seconds)
-    return whole * 1_000_000_000 + round((seconds - whole) * 1e9)
-
-
 class _CallView:
     """One generate call, with its full input and output rendered as convention messages."""
 
     __slots__ = ("call", "conversation", "input_messages", "operation", "output_messages",
                  "prompt_note", "provider", "tool_definitions")  # fmt: skip
 
-    def __init__(self, call: GenerateCall, providers: dict[str, str], conversation: str) -> None:
+    def __init__(self, call: Generation, providers: dict[str, str], conversation: str) -> None:
         self.call = call
         self.conversation = conversation
         self.operation = "chat" if call.dialect == "openai.chat" else "text_completion"
-        self.provider = PROVIDERS.get(call.dialect) or providers.get(call.upstream)
+        self.provider = PROVIDERS.get(call.dialect or "") or providers.get(call.upstream or "")
         self.input_messages: str | None = None
         self.output_messages: str | None = None
         self.tool_definitions: str | None = None
@@ -422,7 +424,9 @@ class _CallView:
         _put(a, "gen_ai.response.model", call.model)
         _sampling(a, call.sampling)
         _put(a, "gen_ai.response.id", call.request_id)
-        finish = [o.finish_reason for o in call.outputs if isinstance(o.finish_reason, str)]
+        finish = [
+            o["finish_reason"] for o in call.outputs if isinstance(o.get("finish_reason"), str)
+        ]
         if finish:
             a["gen_ai.response.finish_reasons"] = finish
         _usage(a, call.usage)
@@ -439,114 +443,104 @@ class _CallView:
         _put(a, "rollout.weight_version", call.weight_version)
         _put(a, "trace_proxy.unparsed", call.unparsed)
         if call.error is not None:
-            a["error.type"] = call.error.type
+            a["error.type"] = call.error.get("type")
         return a
 
 
-def _providers(calls: list[GenerateCall]) -> dict[str, str]:
+def _providers(calls: tuple[Generation, ...]) -> dict[str, str]:
     """Which server each upstream is, as far as a native dialect to it tells."""
     found: dict[str, str] = {}
     for call in calls:
-        provider = PROVIDERS.get(call.dialect)
-        if provider is not None:
+        provider = PROVIDERS.get(call.dialect or "")
+        if provider is not None and call.upstream is not None:
             found.setdefault(call.upstream, provider)
     return found
 
 
-def _fill_messages(t: Trajectory, views: list[_CallView]) -> None:
+def _fill_messages(view: TrajectorySpans, calls: list[_CallView]) -> None:
     """Full inputs and outputs of every call, as `gen_ai.*.messages` JSON strings."""
-    if not views:
+    if not calls:
         return
-    # What expand_prompts reads, without token ids (we need lengths, not ids).
-    stored = {
-        "calls": [
-            {
-                "prompt": {
-                    "text": v.call.prompt.text,
-                    "messages": v.call.prompt.messages,
-                    "tools": v.call.prompt.tools,
-                    "prefix_call": v.call.prompt.prefix_call,
-                    "prefix_len": v.call.prompt.prefix_len,
-                    "prefix_reply": v.call.prompt.prefix_reply,
-                },
-                "outputs": [
-                    {"text": o.text, "tool_calls": o.tool_calls, "reasoning": o.reasoning}
-                    for o in v.call.outputs
-                ],
-            }
-            for v in views
-        ]
-    }
-    prompts = expand_prompts(stored)
-    decoded = _decoded_prompts(t)
-    for view, prompt, text in zip(views, prompts, decoded, strict=True):
-        call = view.call
-        if view.operation == "chat" and prompt.get("messages") is not None:
-            view.input_messages = _json([_chat_message(m) for m in prompt["messages"]])
+    decoded = _decoded_prompts(view)
+    for call_view, text in zip(calls, decoded, strict=True):
+        call = call_view.call
+        prompt = call.prompt
+        if call_view.operation == "chat" and prompt.get("messages") is not None:
+            call_view.input_messages = _json([_chat_message(m) for m in prompt["messages"]])
         else:
             full = text if text is not None else prompt.get("text")
-            if full is None and call.prompt_text is not None:
+            if full is None and call.prompt_piece is not None:
                 # Part of the prompt is shared with an earlier call whose decoded text cannot
                 # be cut at a token boundary here: send the decoded rest, and say so.
-                full = call.prompt_text
-                omitted = (call.prompt.prefix_len or {}).get("token_ids", 0)
-                view.prompt_note = {
-                    "trace_proxy.prompt.prefix_call": call.prompt.prefix_call,
+                full = call.prompt_piece
+                omitted = (call.stored_prompt.get("prefix_len") or {}).get("token_ids", 0)
+                call_view.prompt_note = {
+                    "trace_proxy.prompt.prefix_call": call.stored_prompt.get("prefix_call"),
                     "trace_proxy.prompt.omitted_prefix_tokens": omitted,
                 }
             if full is not None:
-                view.input_messages = _json([_text_message("user", full)])
+                call_view.input_messages = _json([_text_message("user", full)])
         if prompt.get("tools"):
-            view.tool_definitions = _json(prompt["tools"])
+            call_view.tool_definitions = _json(prompt["tools"])
         outputs = [_output_message(o, call) for o in call.outputs]
         if any(m["parts"] for m in outputs):
-            view.output_messages = _json(outputs)
+            call_view.output_messages = _json(outputs)
 
 
-def _decoded_prompts(t: Trajectory) -> list[str | None]:
+def _decoded_prompts(view: TrajectorySpans) -> list[str | None]:
     """Each call's full prompt as token2text decoded it, where the stored pieces spell it out:
     `prompt_text` is the decoded stored suffix; a call that extends the whole context (prompt +
-    first response) of the call it shares with prepends that call's full text."""
+    first response) of the call it shares with prepends that call's full text.
+
+    Stricter than the view's `prompt_text`, which also joins a prompt that kept the earlier
+    prompt but not its response; and the last call's text comes from a stored transcript."""
+    calls = view.calls
     full: list[str | None] = []
     context: list[int | None] = []  # token count of prompt + first output, per call
-    for position, call in enumerate(t.calls):
-        prompt = call.prompt
-        ids = ids_count(prompt.token_ids) if prompt.token_ids is not None else None
-        shared = (prompt.prefix_len or {}).get("token_ids")
-        ref = prompt.prefix_call
+    for position, call in enumerate(calls):
+        prompt = call.stored_prompt
+        token_ids = prompt.get("token_ids")
+        ids = len(token_ids) if token_ids is not None else None
+        shared = (prompt.get("prefix_len") or {}).get("token_ids")
+        ref = prompt.get("prefix_call")
         first = call.outputs[0] if call.outputs else None
         text: str | None = None
         prompt_len: int | None = ids
         if ref is None or shared is None:
-            text = call.prompt_text
+            text = call.prompt_piece
         elif 0 <= ref < position:
             prompt_len = None if ids is None else shared + ids
-            base = t.calls[ref].outputs[0] if t.calls[ref].outputs else None
-            response = "" if base is None or not base.token_ids else base.response_text
+            base = calls[ref].outputs[0] if calls[ref].outputs else None
+            response = (
+                "" if base is None or not base.get("token_ids") else base.get("response_text")
+            )
             if (
-                call.prompt_text is not None
+                call.prompt_piece is not None
                 and full[ref] is not None
                 and context[ref] == shared
                 and response is not None
             ):
-                text = f"{full[ref]}{response}{call.prompt_text}"
+                text = f"{full[ref]}{response}{call.prompt_piece}"
         full.append(text)
-        outputs = len(first.token_ids) if first is not None and first.token_ids else 0
+        outputs = len(first["token_ids"]) if first is not None and first.get("token_ids") else 0
         context.append(None if prompt_len is None else prompt_len + outputs)
-    last = t.calls[-1] if t.calls else None
+    last = calls[-1] if calls else None
+    transcript = view.root.transcript if view.root.transcript_stored else None
     if (
         last is not None
-        and t.transcript is not None
-        and last.prompt.token_ids is not None
-        and last.prompt_text is not None
+        and transcript is not None
+        and last.stored_prompt.get("token_ids") is not None
+        and last.prompt_piece is not None
     ):
         # A stored transcript is the last call's whole context decoded in one piece: stored
         # because the pieces do not spell it out (a re-rendered turn, a character split
         # across pieces), so it is the better text of the last call's prompt.
         first = last.outputs[0] if last.outputs else None
-        response = first.response_text if first is not None and first.token_ids else ""
-        if response is not None and t.transcript.endswith(response):
-            full[-1] = t.transcript[: len(t.transcript) - len(response)]
+        response = (
+            first.get("response_text") if first is not None and first.get("token_ids") else ""
+        )
+        if response is not None and transcript.endswith(response):
+            full[-1] = transcript[: len(transcript) - len(response)]
     return full
 
 
@@ -606,17 +600,20 @@ def _text_message(role: str, text: str) -> dict[str, Any]:
     return {"role": role, "parts": [{"type": "text", "content": text}]}
 
 
-def _output_message(output: Output, call: GenerateCall) -> dict[str, Any]:
+def _output_message(output: Mapping[str, Any], call: Generation) -> dict[str, Any]:
     parts: list[dict[str, Any]] = []
-    if output.reasoning:
-        parts.append({"type": "reasoning", "content": output.reasoning})
-    text = output.response_text if output.response_text is not None else output.text
+    if output.get("reasoning"):
+        parts.append({"type": "reasoning", "content": output["reasoning"]})
+    text = output.get("response_text")
+    if text is None:
+        text = output.get("text")
     if text:
         parts.append({"type": "text", "content": text})
-    for tool_call in output.tool_calls or []:
+    for tool_call in output.get("tool_calls") or []:
         if isinstance(tool_call, Mapping):
             parts.append(_tool_call_part(tool_call))
-    finish = output.finish_reason if isinstance(output.finish_reason, str) else None
+    finish = output.get("finish_reason")
+    finish = finish if isinstance(finish, str) else None
     return {
         "role": "assistant",
         "parts": parts,
@@ -625,8 +622,9 @@ def _output_message(output: Output, call: GenerateCall) -> dict[str, Any]:
 
 
 def _root_attributes(
-    t: Trajectory, conversation: str, providers: dict[str, str], calls: list[_CallView]
+    view: TrajectorySpans, conversation: str, calls: list[_CallView]
 ) -> Attributes:
+    t = view.root
     a: Attributes = {
         "gen_ai.operation.name": "invoke_agent",
         "gen_ai.agent.name": AGENT_NAME,
@@ -644,11 +642,11 @@ def _root_attributes(
     key = t.key
     tags: dict[str, Any] = {}
     for field, attribute in KEY_ATTRIBUTES.items():
-        value = getattr(key, field)
+        value = key.get(field)
         if value is not None:
             a[attribute] = value
             tags[field] = value
-    a["rollout.record_id"] = t.id
+    a["rollout.record_id"] = t.record_id
     a["rollout.part"] = t.part
     a["rollout.status"] = t.status
     a["rollout.close_reason"] = t.close_reason
@@ -656,18 +654,18 @@ def _root_attributes(
     _put(a, "rollout.score", _float(t.score))
     if t.labels:
         a["rollout.labels"] = _json(t.labels)
-    if key.sources:
-        a["rollout.key_sources"] = _json(key.sources)
+    if key.get("sources"):
+        a["rollout.key_sources"] = _json(key["sources"])
     if t.weight_versions:
         a["rollout.weight_versions"] = [str(v) for v in t.weight_versions]
     if t.upstreams:
         a["trace_proxy.upstreams"] = [str(u) for u in t.upstreams]
     if t.annotations:
         a["trace_proxy.annotations"] = _json(t.annotations)
-    for name, count in t.summary.items():
+    for name, count in (t.summary or {}).items():
         if isinstance(count, int) and not isinstance(count, bool):
             a[f"trace_proxy.summary.{name}"] = count
-    tags.update(record_id=t.id, part=t.part, status=t.status, close_reason=t.close_reason)
+    tags.update(record_id=t.record_id, part=t.part, status=t.status, close_reason=t.close_reason)
     if t.reward is not None:
         tags["reward"] = t.reward
     if t.score is not None:
@@ -677,7 +675,7 @@ def _root_attributes(
     return a
 
 
-def _tool_attributes(tool: ToolCall, conversation: str) -> Attributes:
+def _tool_attributes(tool: Tool, conversation: str) -> Attributes:
     a: Attributes = {
         "gen_ai.operation.name": "execute_tool",
         "gen_ai.conversation.id": conversation,
@@ -698,7 +696,7 @@ def _tool_attributes(tool: ToolCall, conversation: str) -> Attributes:
     if tool.upstream:
         _server(a, tool.upstream)
     if tool.error is not None:
-        a["error.type"] = tool.error.type
+        a["error.type"] = tool.error.get("type")
     return a
 
 
@@ -735,7 +733,9 @@ def _usage(a: Attributes, usage: Mapping[str, Any] | None) -> None:
     _put(a, "gen_ai.usage.reasoning.output_tokens", _int(reasoning))
 
 
-def _server(a: Attributes, upstream: str) -> None:
+def _server(a: Attributes, upstream: str | None) -> None:
+    if not upstream:
+        return
     try:
         parts = urlsplit(upstream)
         host, port = parts.hostname, parts.port
@@ -754,16 +754,15 @@ def _segment_event(span: trace.Span, segment: Mapping[str, Any]) -> None:
     _put(attributes, "http.response.status_code", _int(segment.get("http_status")))
     _put(attributes, "gen_ai.response.finish_reason", segment.get("finish_reason"))
     _put(attributes, "trace_proxy.segment.end_ns", _maybe_ns(_float(segment.get("end"))))
-    span.add_event("segment", attributes=attributes, timestamp=_ns(start))
+    span.add_event("segment", attributes=attributes, timestamp=ns(start))
 
 
-def _root_error(errors: Sequence[tuple[int, CallError | None]], calls: int) -> str:
-    if not errors:
+def _root_error(failed: list[Generation], calls: int) -> str:
+    if not failed:
         return "trajectory status is error"
-    index, error = errors[0]
-    first = _describe(error) if error is not None else "error"
-    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"{len(errors)} of {calls} calls failed; call {index}: {first}{more}"
+    first = error_text(failed[0].error) or "error"
+    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
+    return f"{len(failed)} of {calls} calls failed; call {failed[0].index}: {first}{more}"
 
 
 def _describe(error: CallError) -> str:
@@ -786,7 +785,7 @@ def _float(value: Any) -> float | None:
 
 
 def _maybe_ns(seconds: float | None) -> int | None:
-    return None if seconds is None else _ns(seconds)
+    return None if seconds is None else ns(seconds)
 
 
 def _tag(value: Any) -> str:

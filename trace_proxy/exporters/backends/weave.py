@@ -71,20 +71,18 @@ import os
 import threading
 import uuid
 from collections.abc import Mapping
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from trace_proxy.exporters.backends import spans
 from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.trajectories.prompts import expand_prompts
 from trace_proxy.trajectories.record import KEY_FIELDS, Record, Trajectory, dumps
 
 if TYPE_CHECKING:
     from weave.trace.call import Call
     from weave.vendor.weave_server_sdk.types import CallEndParams, CallStartParams
-
-    from trace_proxy.config import Settings
 
 # Before weave is imported: a proxy never phones home (weave reports its own errors to Sentry);
 # WANDB_ERROR_REPORTING=true overrides.
@@ -208,7 +206,8 @@ class WeaveExporter:
             try:
                 with weave_settings.override_settings(print_call_link=False):
                     for record in trajectories:
-                        rendered.append(self._log_trajectory(orjson.loads(dumps(record))))
+                        view = spans.trajectory_spans(orjson.loads(dumps(record)))
+                        rendered.append(self._log_trajectory(view))
             finally:
                 self._client.flush()  # the client's deferred work: op saves, starts, ends
                 complete = self._server.take()
@@ -270,50 +269,49 @@ class WeaveExporter:
             ) from exc
         self._sent.update(str(item["id"]) for item in items)
 
-    def _log_trajectory(self, data: JSON) -> list[str]:
+    def _log_trajectory(self, view: spans.TrajectorySpans) -> list[str]:
         """Have the client build the trajectory's calls; their ids, the root's last."""
-        record_id = str(data["id"])
-        root_id = call_id(record_id, "root")
-        root = self._client.create_call(
+        root = view.root
+        record_id = str(root.record_id)
+        root_id = call_id(record_id, root.id)
+        root_call = self._client.create_call(
             ROOT_OP,
-            inputs=root_inputs(data),
-            attributes=root_attributes(data),
-            display_name=display_name(data),
-            started_at=when(data["start"]),
+            inputs=root_inputs(root),
+            attributes=root_attributes(root),
+            display_name=display_name(root),
+            started_at=spans.utc(root.start),
             use_stack=False,
             _call_id_override=root_id,
         )
         ids: list[str] = []
-        prompts = expand_prompts(data)
-        for position, call in enumerate(data.get("calls") or []):
-            child_id = call_id(record_id, f"call/{call.get('index', position)}")
-            op = OPERATIONS.get(str(call.get("dialect")), "generate")
-            prompt = prompts[position] if position < len(prompts) else {}
+        for call in view.calls:
+            child_id = call_id(record_id, call.id)
+            op = OPERATIONS.get(str(call.dialect), "generate")
             self._child(
-                root,
+                root_call,
                 child_id,
                 op,
-                inputs=generation_inputs(call, prompt),
+                inputs=generation_inputs(call),
                 attributes=generation_attributes(call),
-                display=f"{op} {call.get('model') or ''}".strip(),
+                display=f"{op} {call.model or ''}".strip(),
                 span=call,
                 output=generation_output(call),
             )
             ids.append(child_id)
-        for position, tool in enumerate(data.get("tools") or []):
-            child_id = call_id(record_id, f"tool/{tool.get('index', position)}")
+        for tool in view.tools:
+            child_id = call_id(record_id, tool.id)
             self._child(
-                root,
+                root_call,
                 child_id,
                 TOOL_OP,
                 inputs=tool_inputs(tool),
                 attributes=tool_attributes(tool),
-                display=str(tool.get("name") or TOOL_OP),
+                display=str(tool.name or TOOL_OP),
                 span=tool,
-                output=tool.get("result"),
+                output=tool.result,
             )
             ids.append(child_id)
-        self._client.finish_call(root, output=root_output(data), ended_at=when(data["end"]))
+        self._client.finish_call(root_call, output=root_output(root), ended_at=spans.utc(root.end))
         ids.append(root_id)
         return ids
 
@@ -326,7 +324,7 @@ class WeaveExporter:
         inputs: JSON,
         attributes: JSON,
         display: str,
-        span: JSON,
+        span: spans.Generation | spans.Tool,
         output: Any,
     ) -> None:
         child = self._client.create_call(
@@ -335,27 +333,35 @@ class WeaveExporter:
             parent=root,
             attributes=attributes,
             display_name=display,
-            started_at=when(span["start"]),
+            started_at=spans.utc(span.start),
             use_stack=False,
             _call_id_override=id_,
         )
         self._client.finish_call(
             child,
             output=output,
-            exception=failure(span.get("error")),
-            ended_at=when(span.get("end") or span["start"]),
+            exception=failure(span.error),
+            ended_at=spans.utc(span.end or span.start),
         )
 
 
-def create(settings: Settings) -> WeaveExporter:
+@dataclass(frozen=True)
+class WeaveConfig:
+    """What the weave backend is told: `--weave-entity` (None: WANDB_ENTITY) and `--project`."""
+
+    entity: str | None
+    project: str
+
+
+def create(config: WeaveConfig) -> WeaveExporter:
     """Entity from --weave-entity or WANDB_ENTITY, project from --project, key from
     WANDB_API_KEY, server from WF_TRACE_SERVER_URL (else Weave's default)."""
-    entity = settings.weave_entity or os.environ.get("WANDB_ENTITY", "")
+    entity = config.entity or os.environ.get("WANDB_ENTITY", "")
     if not entity:
         raise ValueError(
             "the weave backend needs --weave-entity or WANDB_ENTITY (the W&B entity to log to)"
         )
-    return WeaveExporter(entity, settings.project)
+    return WeaveExporter(entity, config.project)
 
 
 # --- rendering ---------------------------------------------------------------------------------
@@ -365,12 +371,8 @@ def call_id(record_id: str, what: str) -> str:
     return str(uuid.uuid5(_IDS, f"{record_id}/{what}"))
 
 
-def when(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, tz=timezone.utc)
-
-
-def display_name(data: JSON) -> str:
-    key = data.get("key") or {}
+def display_name(root: spans.Root) -> str:
+    key = root.key
     parts = [
         f"{label} {key[field]}"
         for label, field in (("step", "step"), ("sample", "sample_index"), ("rollout", "rollout_n"))
@@ -378,20 +380,19 @@ def display_name(data: JSON) -> str:
     ]
     if key.get("validate"):
         parts.append("validate")
-    if (data.get("part") or 1) > 1:
-        parts.append(f"part {data['part']}")
+    if (root.part or 1) > 1:
+        parts.append(f"part {root.part}")
     if not parts:
-        parts.append(f"trajectory {key.get('trajectory_id') or data.get('id')}")
+        parts.append(f"trajectory {key.get('trajectory_id') or root.record_id}")
     return " · ".join(parts)
 
 
-def root_inputs(data: JSON) -> JSON:
-    key = data.get("key") or {}
-    return {field: key.get(field) for field in KEY_FIELDS}
+def root_inputs(root: spans.Root) -> JSON:
+    return {field: root.key.get(field) for field in KEY_FIELDS}
 
 
-def root_attributes(data: JSON) -> JSON:
-    key = data.get("key") or {}
+def root_attributes(root: spans.Root) -> JSON:
+    key = root.key
     attributes: JSON = {
         "step": key.get("step"),
         "sample_index": key.get("sample_index"),
@@ -400,30 +401,31 @@ def root_attributes(data: JSON) -> JSON:
         "experiment_name": key.get("experiment"),
         "trajectory_id": key.get("trajectory_id"),
         "project": key.get("project"),
-        "record_id": data.get("id"),
+        "record_id": root.record_id,
     }
-    for name in ("reward", "score"):
-        if data.get(name) is not None:
-            attributes[name] = data[name]
-    if data.get("labels"):
-        attributes["labels"] = data["labels"]
+    if root.reward is not None:
+        attributes["reward"] = root.reward
+    if root.score is not None:
+        attributes["score"] = root.score
+    if root.labels:
+        attributes["labels"] = root.labels
     return attributes
 
 
-def root_output(data: JSON) -> JSON:
+def root_output(root: spans.Root) -> JSON:
     return {
-        "reward": data.get("reward"),
-        "score": data.get("score"),
-        "labels": data.get("labels"),
-        "status": data.get("status"),
-        "close_reason": data.get("close_reason"),
-        "summary": data.get("summary"),
+        "reward": root.reward,
+        "score": root.score,
+        "labels": root.labels,
+        "status": root.status,
+        "close_reason": root.close_reason,
+        "summary": root.summary,
     }
 
 
-def generation_inputs(call: JSON, full_prompt: JSON) -> JSON:
-    prompt = call.get("prompt") or {}
-    inputs: JSON = {"model": call.get("model")}
+def generation_inputs(call: spans.Generation) -> JSON:
+    prompt, full_prompt = call.stored_prompt, call.prompt
+    inputs: JSON = {"model": call.model}
     if full_prompt.get("messages") is not None:
         inputs["messages"] = full_prompt["messages"]
         if full_prompt.get("tools") is not None:
@@ -433,18 +435,18 @@ def generation_inputs(call: JSON, full_prompt: JSON) -> JSON:
             inputs["prompt_token_ids"] = prompt["token_ids"]
         if prompt.get("text") is not None:
             inputs["prompt"] = prompt["text"]
-        if call.get("prompt_text") is not None:
-            inputs["prompt_text"] = call["prompt_text"]
+        if call.prompt_piece is not None:
+            inputs["prompt_text"] = call.prompt_piece
         if prompt.get("prefix_call") is not None:
             inputs["prefix_call"] = prompt["prefix_call"]
             inputs["prefix_len"] = prompt.get("prefix_len")
-    inputs.update(call.get("sampling") or {})
+    inputs.update(call.sampling or {})
     return inputs
 
 
-def generation_output(call: JSON) -> JSON:
+def generation_output(call: spans.Generation) -> JSON:
     choices = []
-    for output in call.get("outputs") or []:
+    for output in call.outputs:
         message: JSON = {"role": "assistant", "content": output.get("text")}
         if output.get("tool_calls"):
             message["tool_calls"] = output["tool_calls"]
@@ -459,54 +461,42 @@ def generation_output(call: JSON) -> JSON:
             if output.get(name) is not None:
                 choice[name] = output[name]
         choices.append(choice)
-    rendered: JSON = {"id": call.get("request_id"), "model": call.get("model"), "choices": choices}
-    if call.get("usage"):  # weave sums `usage` into the call's summary, keyed by `model`
-        rendered["usage"] = call["usage"]
+    rendered: JSON = {"id": call.request_id, "model": call.model, "choices": choices}
+    if call.usage:  # weave sums `usage` into the call's summary, keyed by `model`
+        rendered["usage"] = call.usage
     return rendered
 
 
-def generation_attributes(call: JSON) -> JSON:
+def generation_attributes(call: spans.Generation) -> JSON:
     return {
-        "index": call.get("index"),
-        "dialect": call.get("dialect"),
-        "route": call.get("route"),
-        "upstream": call.get("upstream"),
-        "request_id": call.get("request_id"),
-        "http_status": call.get("http_status"),
-        "stream": call.get("stream"),
-        "weight_version": call.get("weight_version"),
-        "ttft_ms": _ms(call.get("start"), call.get("first_byte")),
+        "index": call.index,
+        "dialect": call.dialect,
+        "route": call.route,
+        "upstream": call.upstream,
+        "request_id": call.request_id,
+        "http_status": call.http_status,
+        "stream": call.stream,
+        "weight_version": call.weight_version,
+        "ttft_ms": spans.duration_ms(call.start, call.first_byte),
     }
 
 
-def tool_inputs(tool: JSON) -> JSON:
-    arguments = tool.get("arguments")
-    try:
-        parsed: Any = orjson.loads(arguments) if isinstance(arguments, str) else arguments
-    except orjson.JSONDecodeError:
-        parsed = arguments
-    return {"name": tool.get("name"), "arguments": parsed, "call_id": tool.get("call_id")}
+def tool_inputs(tool: spans.Tool) -> JSON:
+    return {"name": tool.name, "arguments": tool.parsed_arguments, "call_id": tool.call_id}
 
 
-def tool_attributes(tool: JSON) -> JSON:
+def tool_attributes(tool: spans.Tool) -> JSON:
     attributes: JSON = {
-        "index": tool.get("index"),
-        "observed": tool.get("observed"),
-        "requested_by": tool.get("requested_by"),
+        "index": tool.index,
+        "observed": tool.observed,
+        "requested_by": tool.requested_by,
     }
     for name in ("raw", "route", "upstream", "http_status"):
-        if tool.get(name) is not None:
-            attributes[name] = tool[name]
+        if getattr(tool, name) is not None:
+            attributes[name] = getattr(tool, name)
     return attributes
 
 
 def failure(error: JSON | None) -> BaseException | None:
-    if not error:
-        return None
-    return CallFailed(f"{error.get('type')}: {error.get('message')}")
-
-
-def _ms(start: float | None, end: float | None) -> float | None:
-    if start is None or end is None:
-        return None
-    return round((end - start) * 1000.0, 3)
+    text = spans.error_text(error)
+    return None if text is None else CallFailed(text)

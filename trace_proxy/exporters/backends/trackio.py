@@ -63,19 +63,24 @@ import logging
 import os
 import sys
 from collections import OrderedDict
-from datetime import datetime, timezone
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
+from trace_proxy.exporters.backends.spans import (
+    Generation,
+    Tool,
+    TrajectorySpans,
+    duration_ms,
+    error_text,
+    trajectory_spans,
+    utc,
+)
 from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.store.names import store_name
-from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
-
-if TYPE_CHECKING:
-    from trace_proxy.config import Settings
 
 log = logging.getLogger(__name__)
 
@@ -217,8 +222,17 @@ class TrackioExporter:
         return self._trackio.Trace(messages, metadata=metadata, spans=spans)
 
 
-def create(settings: Settings) -> TrackioExporter:
-    return TrackioExporter(settings.project, settings.trackio_dir)
+@dataclass(frozen=True)
+class TrackioConfig:
+    """What the trackio backend is told: `--project` (of records that name none) and
+    `--trackio-dir` (None: TRACKIO_DIR, else trackio's own default)."""
+
+    project: str
+    directory: Path | None = None
+
+
+def create(config: TrackioConfig) -> TrackioExporter:
+    return TrackioExporter(config.project, config.directory)
 
 
 def _import_trackio(directory: Path | None) -> Any:
@@ -248,23 +262,20 @@ def _import_trackio(directory: Path | None) -> Any:
 
 def render_trajectory(data: JSON) -> tuple[list[JSON], list[JSON], JSON]:
     """(messages, spans, metadata) of a trajectory in its JSON form."""
-    prompts = expand_prompts(data)
-    calls: list[JSON] = data.get("calls") or []
-    tools: list[JSON] = data.get("tools") or []
-    if prompts and prompts[-1].get("messages") is not None:
-        messages = chat_messages(calls, prompts)
+    view = trajectory_spans(data)
+    if view.calls and view.calls[-1].prompt.get("messages") is not None:
+        messages = chat_messages(view.calls[-1])
     else:
-        messages = token_messages(data, calls, prompts, tools)
+        messages = token_messages(view)
     ensure_visible_first_answer(messages)
-    return messages, spans_of(data, calls, tools), trajectory_metadata(data)
+    return messages, spans_of(view), trajectory_metadata(view)
 
 
-def chat_messages(calls: list[JSON], prompts: list[JSON]) -> list[JSON]:
+def chat_messages(last: Generation) -> list[JSON]:
     """The last call's full messages and its response."""
-    messages = [dict(m) for m in prompts[-1].get("messages") or [] if isinstance(m, dict)]
-    outputs = calls[-1].get("outputs") or []
-    if outputs:
-        messages.append(assistant_message(outputs[0]))
+    messages = [dict(m) for m in last.prompt.get("messages") or [] if isinstance(m, dict)]
+    if last.outputs:
+        messages.append(assistant_message(last.outputs[0]))
     return messages
 
 
@@ -277,58 +288,57 @@ def assistant_message(output: JSON, text: str | None = None) -> JSON:
     return message
 
 
-def token_messages(
-    data: JSON, calls: list[JSON], prompts: list[JSON], tools: list[JSON]
-) -> list[JSON]:
+def token_messages(view: TrajectorySpans) -> list[JSON]:
     """The conversation from decoded text: the first prompt as a user message, then each
     response, the tool results that followed it, and any other text the client added."""
+    calls, tools = view.calls, view.tools
     if not calls:
         return []
-    if not _linear(calls, prompts):  # the client re-rendered or dropped earlier turns
-        return _last_call_messages(data, calls[-1], prompts[-1], tools)
-    messages: list[JSON] = [{"role": "user", "content": _full_prompt_text(calls[0], prompts[0])}]
+    if not _linear(calls):  # the client re-rendered or dropped earlier turns
+        return _last_call_messages(view)
+    messages: list[JSON] = [{"role": "user", "content": _full_prompt_text(calls[0])}]
     for position, call in enumerate(calls):
         if position > 0:
-            answered = [s for s in _text_tools(tools, position - 1) if s.get("result") is not None]
+            answered = [s for s in _text_tools(tools, position - 1) if s.result is not None]
             added = _added_text(call)
             if not answered and added:  # a user turn (interaction), not a tool result
                 messages.append({"role": "user", "content": added})
-        outputs = call.get("outputs") or []
-        if not outputs:
+        if not call.outputs:
             continue
-        messages.append(_token_answer(outputs[0], _text_tools(tools, position)))
+        messages.append(_token_answer(call.outputs[0], _text_tools(tools, position)))
         messages.extend(_tool_results(_text_tools(tools, position)))
     return messages
 
 
-def _last_call_messages(data: JSON, call: JSON, prompt: JSON, tools: list[JSON]) -> list[JSON]:
-    outputs = call.get("outputs") or []
+def _last_call_messages(view: TrajectorySpans) -> list[JSON]:
+    call = view.calls[-1]
+    outputs = call.outputs
     response = _output_text(outputs[0]) if outputs else None
-    transcript = transcript_of(data) if data.get("transcript") is not None else None
+    transcript = view.root.transcript if view.root.transcript_stored else None
     if transcript is not None and response and transcript.endswith(response):
         prompt_text: str | None = transcript[: len(transcript) - len(response)]
     else:
-        prompt_text = _full_prompt_text(call, prompt)
+        prompt_text = _full_prompt_text(call)
     messages: list[JSON] = [{"role": "user", "content": prompt_text}]
     if outputs:
-        own = _text_tools(tools, call.get("index", 0))
+        own = _text_tools(view.tools, call.index)
         messages.append(_token_answer(outputs[0], own))
         messages.extend(_tool_results(own))
     return messages
 
 
-def _linear(calls: list[JSON], prompts: list[JSON]) -> bool:
+def _linear(calls: tuple[Generation, ...]) -> bool:
     """Each call's prompt extends the whole of the previous call's prompt and response."""
     for position in range(1, len(calls)):
-        prompt = calls[position].get("prompt") or {}
+        prompt = calls[position].stored_prompt
         lengths = prompt.get("prefix_len") or {}
         if prompt.get("prefix_call") != position - 1 or not lengths:
             return False
-        previous, full = calls[position - 1], prompts[position - 1]
-        first = (previous.get("outputs") or [{}])[0]
+        previous = calls[position - 1]
+        first = (previous.outputs or [{}])[0]
         whole = {
-            "token_ids": len(full.get("token_ids") or []) + len(first.get("token_ids") or []),
-            "text": len(full.get("text") or "") + len(first.get("text") or ""),
+            "token_ids": previous.prompt_tokens + len(first.get("token_ids") or []),
+            "text": len(previous.prompt.get("text") or "") + len(first.get("text") or ""),
         }
         if any(
             lengths.get(kind) != whole[kind] for kind in ("token_ids", "text") if kind in lengths
@@ -337,20 +347,19 @@ def _linear(calls: list[JSON], prompts: list[JSON]) -> bool:
     return True
 
 
-def _full_prompt_text(call: JSON, prompt: JSON) -> str:
-    if call.get("prompt_text") is not None and not (call.get("prompt") or {}).get("prefix_len"):
-        return str(call["prompt_text"])
-    if prompt.get("text") is not None:
-        return str(prompt["text"])
-    count = len(prompt.get("token_ids") or [])
-    return f"[{count} prompt tokens, not decoded: run the proxy with --token2text]"
+def _full_prompt_text(call: Generation) -> str:
+    if call.prompt_piece is not None and not call.stored_prompt.get("prefix_len"):
+        return str(call.prompt_piece)
+    if call.prompt.get("text") is not None:
+        return str(call.prompt["text"])
+    return f"[{call.prompt_tokens} prompt tokens, not decoded: run the proxy with --token2text]"
 
 
-def _added_text(call: JSON) -> str | None:
+def _added_text(call: Generation) -> str | None:
     """What this call's prompt added after the previous call's prompt and response."""
-    if call.get("prompt_text") is not None:
-        return str(call["prompt_text"])
-    text = (call.get("prompt") or {}).get("text")
+    if call.prompt_piece is not None:
+        return str(call.prompt_piece)
+    text = call.stored_prompt.get("text")
     return None if text is None else str(text)
 
 
@@ -361,34 +370,31 @@ def _output_text(output: JSON) -> str | None:
     return None if text is None else str(text)
 
 
-def _text_tools(tools: list[JSON], position: int) -> list[JSON]:
+def _text_tools(tools: tuple[Tool, ...], position: int) -> list[Tool]:
     """Tool calls the model wrote in the response of call `position` (not tool servers)."""
-    return [
-        s for s in tools
-        if s.get("requested_by") == position and s.get("observed") != "http_tool_server"
-    ]  # fmt: skip
+    return [s for s in tools if s.requested_by == position and s.observed != "http_tool_server"]
 
 
-def _tool_call_id(span: JSON) -> str:
-    return str(span.get("call_id") or f"call-{span.get('index')}")
+def _tool_call_id(span: Tool) -> str:
+    return str(span.call_id or f"call-{span.index}")
 
 
-def _token_answer(output: JSON, spans: list[JSON]) -> JSON:
+def _token_answer(output: JSON, spans: list[Tool]) -> JSON:
     message = assistant_message(output, _output_text(output))
     calls = [
         {"id": _tool_call_id(s), "type": "function",
-         "function": {"name": s.get("name"), "arguments": s.get("arguments")}}
-        for s in spans if s.get("name") is not None
+         "function": {"name": s.name, "arguments": s.arguments}}
+        for s in spans if s.name is not None
     ]  # fmt: skip
     if calls and not message.get("tool_calls"):
         message["tool_calls"] = calls
     return message
 
 
-def _tool_results(spans: list[JSON]) -> list[JSON]:
+def _tool_results(spans: list[Tool]) -> list[JSON]:
     return [
-        {"role": "tool", "tool_call_id": _tool_call_id(s), "content": s["result"]}
-        for s in spans if s.get("result") is not None and s.get("name") is not None
+        {"role": "tool", "tool_call_id": _tool_call_id(s), "content": s.result}
+        for s in spans if s.result is not None and s.name is not None
     ]  # fmt: skip
 
 
@@ -422,95 +428,85 @@ def _visible(content: Any) -> bool:
 
 
 def iso(seconds: float | None) -> str | None:
-    if seconds is None:
-        return None
-    return datetime.fromtimestamp(seconds, tz=timezone.utc).isoformat()
-
-
-def duration_ms(start: float | None, end: float | None) -> float | None:
-    if start is None or end is None:
-        return None
-    return round((end - start) * 1000.0, 3)
+    return None if seconds is None else utc(seconds).isoformat()
 
 
 def _timed(start: float | None, end: float | None) -> JSON:
     return {"start_time": iso(start), "end_time": iso(end), "duration_ms": duration_ms(start, end)}
 
 
-def spans_of(data: JSON, calls: list[JSON], tools: list[JSON]) -> list[JSON]:
-    root_id = str(data.get("id"))
-    key = data.get("key") or {}
-    error = next((c["error"] for c in calls if c.get("error")), None)
-    root: JSON = {
+def spans_of(view: TrajectorySpans) -> list[JSON]:
+    root = view.root
+    root_id = str(root.record_id)
+    key = root.key
+    failed = view.failed
+    spans: list[JSON] = [{
         "id": root_id,
         "name": ROOT_NAME,
         "kind": "span",
         "parent_id": None,
-        **_timed(data.get("start"), data.get("end")),
-        "status": "error" if data.get("status") == "error" else "success",
-        "error": _error_text(error),
+        **_timed(root.start, root.end),
+        "status": "error" if root.status == "error" else "success",
+        "error": error_text(failed[0].error) if failed else None,
         "input": {k: key.get(k) for k in KEY_FIELDS},
-        "output": {k: data.get(k) for k in ("reward", "score", "labels", "close_reason")},
+        "output": {"reward": root.reward, "score": root.score, "labels": root.labels,
+                   "close_reason": root.close_reason},
         "model": None,
-        "usage": _usage_totals(data.get("summary") or {}),
+        "usage": _usage_totals(root.summary or {}),
         "metadata": {
-            "record_id": data.get("id"),
-            "part": data.get("part"),
-            "upstreams": data.get("upstreams"),
+            "record_id": root.record_id,
+            "part": root.part,
+            "upstreams": root.upstreams,
             "key_sources": key.get("sources"),
-            "annotations": data.get("annotations"),
+            "annotations": root.annotations,
         },
-    }
-    spans = [root]
-    spans.extend(_generation_span(root_id, call) for call in calls)
-    spans.extend(_tool_span(root_id, span) for span in tools)
+    }]  # fmt: skip
+    spans.extend(_generation_span(root_id, call) for call in view.calls)
+    spans.extend(_tool_span(root_id, tool) for tool in view.tools)
     return spans
 
 
-def _generation_span(root_id: str, call: JSON) -> JSON:
-    dialect = str(call.get("dialect"))
-    model = call.get("model")
-    outputs: list[JSON] = call.get("outputs") or []
-    rendered = [_generation_output(o) for o in outputs]
-    first_byte, start = call.get("first_byte"), call.get("start")
+def _generation_span(root_id: str, call: Generation) -> JSON:
+    dialect = str(call.dialect)
+    rendered = [_generation_output(o) for o in call.outputs]
     return {
-        "id": f"{root_id}/call/{call.get('index')}",
-        "name": f"{OPERATIONS.get(dialect, 'generate')} {model or ''}".strip(),
+        "id": f"{root_id}/{call.id}",
+        "name": f"{OPERATIONS.get(dialect, 'generate')} {call.model or ''}".strip(),
         "kind": "generation",
         "parent_id": root_id,
-        **_timed(start, call.get("end")),
-        "status": "error" if call.get("error") else "success",
-        "error": _error_text(call.get("error")),
+        **_timed(call.start, call.end),
+        "status": "error" if call.error else "success",
+        "error": error_text(call.error),
         "input": _generation_input(call),
         "output": rendered[0] if len(rendered) == 1 else (rendered or None),
-        "model": model,
-        "usage": call.get("usage"),
+        "model": call.model,
+        "usage": call.usage,
         "metadata": {
-            "index": call.get("index"),
+            "index": call.index,
             "dialect": dialect,
-            "route": call.get("route"),
-            "upstream": call.get("upstream"),
-            "request_id": call.get("request_id"),
-            "http_status": call.get("http_status"),
-            "stream": call.get("stream"),
-            "ttft_ms": duration_ms(start, first_byte),
-            "weight_version": call.get("weight_version"),
-            "sampling": call.get("sampling"),
-            "unparsed": call.get("unparsed"),
-            "segments": call.get("segments"),
+            "route": call.route,
+            "upstream": call.upstream,
+            "request_id": call.request_id,
+            "http_status": call.http_status,
+            "stream": call.stream,
+            "ttft_ms": duration_ms(call.start, call.first_byte),
+            "weight_version": call.weight_version,
+            "sampling": call.sampling,
+            "unparsed": call.unparsed,
+            "segments": call.segments,
         },
     }
 
 
-def _generation_input(call: JSON) -> JSON:
+def _generation_input(call: Generation) -> JSON:
     """What this call added to the conversation (the whole of it is the trace's messages)."""
-    prompt = call.get("prompt") or {}
+    prompt = call.stored_prompt
     shared = {"prefix_call": prompt.get("prefix_call"), "prefix_len": prompt.get("prefix_len")}
     if prompt.get("prefix_reply") is not None:  # the previous reply, shared rather than stored
         shared["prefix_reply"] = prompt["prefix_reply"]
     if prompt.get("messages") is not None:
         return {"messages": prompt["messages"], **shared}
-    text = call.get("prompt_text")
+    text = call.prompt_piece
     if text is None:
         text = prompt.get("text")
     if text is not None:
@@ -528,43 +524,31 @@ def _generation_output(output: JSON) -> JSON:
     return rendered
 
 
-def _tool_span(root_id: str, span: JSON) -> JSON:
-    arguments = span.get("arguments")
-    try:
-        parsed: Any = orjson.loads(arguments) if isinstance(arguments, str) else arguments
-    except orjson.JSONDecodeError:
-        parsed = arguments
-    error = span.get("error")
-    status = "error" if error else ("success" if span.get("result") is not None else None)
+def _tool_span(root_id: str, tool: Tool) -> JSON:
+    status = "error" if tool.error else ("success" if tool.result is not None else None)
     return {
-        "id": f"{root_id}/tool/{span.get('index')}",
-        "name": f"execute_tool {span.get('name') or '?'}",
+        "id": f"{root_id}/{tool.id}",
+        "name": f"execute_tool {tool.name or '?'}",
         "kind": "tool",
         "parent_id": root_id,
-        **_timed(span.get("start"), span.get("end")),
+        **_timed(tool.start, tool.end),
         "status": status,
-        "error": _error_text(error),
-        "input": parsed,
-        "output": span.get("result"),
+        "error": error_text(tool.error),
+        "input": tool.parsed_arguments,
+        "output": tool.result,
         "model": None,
         "usage": None,
         "metadata": {
-            "index": span.get("index"),
-            "observed": span.get("observed"),
-            "call_id": _tool_call_id(span),
-            "requested_by": span.get("requested_by"),
-            "raw": span.get("raw"),
-            "route": span.get("route"),
-            "upstream": span.get("upstream"),
-            "http_status": span.get("http_status"),
+            "index": tool.index,
+            "observed": tool.observed,
+            "call_id": _tool_call_id(tool),
+            "requested_by": tool.requested_by,
+            "raw": tool.raw,
+            "route": tool.route,
+            "upstream": tool.upstream,
+            "http_status": tool.http_status,
         },
     }
-
-
-def _error_text(error: JSON | None) -> str | None:
-    if not error:
-        return None
-    return f"{error.get('type')}: {error.get('message')}"
 
 
 def _usage_totals(summary: JSON) -> JSON | None:
@@ -578,10 +562,11 @@ def _usage_totals(summary: JSON) -> JSON | None:
 # --- metadata ----------------------------------------------------------------------------------
 
 
-def trajectory_metadata(data: JSON) -> JSON:
-    key = data.get("key") or {}
-    summary = data.get("summary") or {}
-    calls = data.get("calls") or []
+def trajectory_metadata(view: TrajectorySpans) -> JSON:
+    root = view.root
+    key = root.key
+    summary = root.summary or {}
+    calls = view.calls
     return {
         "trajectory_id": key.get("trajectory_id"),
         "project": key.get("project"),
@@ -591,22 +576,22 @@ def trajectory_metadata(data: JSON) -> JSON:
         "rollout_n": key.get("rollout_n"),
         "validate": key.get("validate"),
         "sample_hash": key.get("sample_hash"),
-        "reward": data.get("reward"),
-        "score": data.get("score"),
-        "labels": data.get("labels"),
-        "status": "error" if data.get("status") == "error" else "success",
-        "close_reason": data.get("close_reason"),
-        "weight_versions": data.get("weight_versions"),
-        "model": next((c.get("model") for c in reversed(calls) if c.get("model")), None),
+        "reward": root.reward,
+        "score": root.score,
+        "labels": root.labels,
+        "status": "error" if root.status == "error" else "success",
+        "close_reason": root.close_reason,
+        "weight_versions": root.weight_versions,
+        "model": next((c.model for c in reversed(calls) if c.model), None),
         "num_turns": summary.get("calls", len(calls)),
         "num_tool_calls": summary.get("tool_calls"),
         "num_errors": summary.get("errors"),
         "calls_dropped": summary.get("calls_dropped"),
         "prompt_tokens": summary.get("prompt_tokens"),
         "completion_tokens": summary.get("completion_tokens"),
-        "duration_ms": duration_ms(data.get("start"), data.get("end")),
-        "record_id": data.get("id"),
-        "part": data.get("part"),
+        "duration_ms": duration_ms(root.start, root.end),
+        "record_id": root.record_id,
+        "part": root.part,
     }
 
 

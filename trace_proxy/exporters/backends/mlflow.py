@@ -48,13 +48,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 import orjson
 
-from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.exporters.mlflow_names import (
+from trace_proxy.exporters.backends.mlflow_names import (
     MAX_EXPERIMENT_TAG_VALUE,
     NAME_DIGEST_TAG,
     PROJECT_TAG,
@@ -62,12 +62,10 @@ from trace_proxy.exporters.mlflow_names import (
     literal,
     substitute,
 )
+from trace_proxy.exporters.backends.spans import Generation, Tool, TrajectorySpans, trajectory_spans
+from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.store.names import digest
-from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
 from trace_proxy.trajectories.record import Annotation, Record, StepSummary, Trajectory, dumps
-
-if TYPE_CHECKING:
-    from trace_proxy.config import Settings
 
 # Before MLflow is imported: a proxy never phones home; MLFLOW_DISABLE_TELEMETRY=false overrides.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
@@ -105,7 +103,8 @@ REMEMBERED = 4096
 
 
 def _ns(seconds: float) -> int:
-    """Record times are epoch seconds with microsecond resolution: the same instant in ns."""
+    """A record's time (epoch seconds) in ns, to the whole microsecond: MLflow's spans have
+    always been drawn so (the other backends keep the float's exact value, `spans.ns`)."""
     return round(seconds * 1_000_000) * 1_000
 
 
@@ -182,59 +181,28 @@ class TraceRecord:
 # --- rendering a trajectory (pure functions of its JSON form) ---------------------------------
 
 
-def _full_prompt_texts(calls: list[dict[str, Any]], full: list[dict[str, Any]]) -> list[str | None]:
-    """Each call's whole prompt decoded, when its stored piece extends a known whole context.
-
-    `prompt_text` decodes the token ids as stored: for a call sharing a prefix with an earlier
-    one, only the new suffix. The whole text is that call's whole prompt text, plus its first
-    response when shared, plus the piece; None when the sharing stops at another token.
-    """
-    texts: list[str | None] = []
-    for call in calls:
-        piece = call.get("prompt_text")
-        stored = call.get("prompt") or {}
-        ref = stored.get("prefix_call")
-        shared = (stored.get("prefix_len") or {}).get("token_ids")
-        if piece is None or ref is None or shared is None:
-            texts.append(piece)
-            continue
-        base_text = texts[ref] if 0 <= ref < len(texts) else None
-        base_ids = full[ref].get("token_ids") or [] if 0 <= ref < len(full) else []
-        first = (calls[ref].get("outputs") or [{}])[0] if 0 <= ref < len(calls) else {}
-        if base_text is not None and shared == len(base_ids):
-            texts.append(base_text + piece)
-        elif (
-            base_text is not None
-            and first.get("response_text") is not None
-            and shared == len(base_ids) + len(first.get("token_ids") or [])
-        ):
-            texts.append(base_text + first["response_text"] + piece)
-        else:
-            texts.append(None)
-    return texts
-
-
-def _llm_inputs(call: dict[str, Any], prompt: dict[str, Any], text: str | None) -> dict[str, Any]:
+def _llm_inputs(call: Generation, prompt_ids: list[int] | None) -> dict[str, Any]:
+    prompt = call.prompt
     inputs = _compact(
         {
             "messages": prompt.get("messages"),
             "tools": prompt.get("tools"),
             "prompt": prompt.get("text"),
-            "prompt_ids": prompt.get("token_ids"),
-            "prompt_text": text,
+            "prompt_ids": prompt_ids,
+            "prompt_text": call.prompt_text,
         }
     )
-    if text is None and call.get("prompt_text") is not None:
+    if call.prompt_text is None and call.prompt_piece is not None:
         # The whole prompt could not be decoded from the pieces: the decoded new part only.
-        inputs["prompt_suffix_text"] = call["prompt_text"]
-    inputs["sampling_params"] = call.get("sampling") or {}
+        inputs["prompt_suffix_text"] = call.prompt_piece
+    inputs["sampling_params"] = call.sampling or {}
     return inputs
 
 
-def _llm_outputs(call: dict[str, Any]) -> dict[str, Any]:
-    chat = call.get("dialect") == "openai.chat"
+def _llm_outputs(call: Generation) -> dict[str, Any]:
+    chat = call.dialect == "openai.chat"
     choices = []
-    for out in call.get("outputs") or []:
+    for out in call.outputs:
         choice: dict[str, Any] = {"index": out.get("index")}
         if chat:
             choice["message"] = {
@@ -262,12 +230,12 @@ def _llm_outputs(call: dict[str, Any]) -> dict[str, Any]:
         choices.append(choice)
     return _compact(
         {
-            "id": call.get("request_id"),
-            "model": call.get("model"),
+            "id": call.request_id,
+            "model": call.model,
             "choices": choices,
-            "usage": call.get("usage"),
-            "error": call.get("error"),
-            "unparsed": call.get("unparsed"),
+            "usage": call.usage,
+            "error": call.error,
+            "unparsed": call.unparsed,
         }
     )
 
@@ -286,14 +254,11 @@ def _token_usage(usage: Any) -> dict[str, int] | None:
     }
 
 
-def _tool_inputs(arguments: str | None) -> Any:
-    if arguments is None:
+def _tool_inputs(tool: Tool) -> Any:
+    if tool.arguments is None:
         return None
-    try:
-        parsed = orjson.loads(arguments)
-    except orjson.JSONDecodeError:
-        return {"arguments": arguments}
-    return parsed if isinstance(parsed, dict) else {"arguments": arguments}
+    parsed = tool.parsed_arguments
+    return parsed if isinstance(parsed, dict) else {"arguments": tool.arguments}
 
 
 def _last_user_text(messages: Any) -> Any:
@@ -303,14 +268,14 @@ def _last_user_text(messages: Any) -> Any:
     return messages
 
 
-def _root_error(calls: list[dict[str, Any]]) -> dict[str, Any]:
-    failed = [c for c in calls if c.get("error")]
+def _root_error(spans: TrajectorySpans) -> dict[str, Any]:
+    failed = spans.failed
     if not failed:
         return {"type": "error", "message": "trajectory status is error"}
-    first, error = failed[0], failed[0]["error"]
+    first, error = failed[0], failed[0].error or {}
     return {
         "type": "calls_failed",
-        "message": f"{len(failed)} of {len(calls)} calls failed; call {first.get('index')}: "
+        "message": f"{len(failed)} of {len(spans.calls)} calls failed; call {first.index}: "
         f"{error.get('type')}: {error.get('message')}",
     }
 
@@ -333,88 +298,85 @@ def outcome_tags(reward: Any, score: Any, labels: Any) -> dict[str, str]:
 
 def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
     """The trace of one trajectory (pure: no MLflow calls)."""
-    data: dict[str, Any] = orjson.loads(dumps(trajectory))
-    key = data["key"]
-    trace_id = trace_id_of(data["id"])
-    calls: list[dict[str, Any]] = data.get("calls") or []
-    prompts = expand_prompts(data)
-    texts = _full_prompt_texts(calls, prompts)
+    view = trajectory_spans(orjson.loads(dumps(trajectory)))
+    root = view.root
+    key = root.key
+    trace_id = trace_id_of(root.record_id)
 
+    prompt_ids = view.prompt_ids()
     spans: list[_SpanData] = []
-    for call, prompt, text in zip(calls, prompts, texts, strict=True):
+    for call, ids in zip(view.calls, prompt_ids, strict=True):
         attributes = _compact(
             {
-                "mlflow.llm.model": call.get("model"),
-                "mlflow.chat.tokenUsage": _token_usage(call.get("usage")),
-                "mlflow.chat.tools": prompt.get("tools"),
-                "index": call.get("index"),
-                "dialect": call.get("dialect"),
-                "route": call.get("route"),
-                "upstream": call.get("upstream"),
-                "http_status": call.get("http_status"),
-                "stream": call.get("stream"),
-                "request_id": call.get("request_id"),
-                "first_byte_ns": _ns(call["first_byte"]) if call.get("first_byte") else None,
-                "weight_version": call.get("weight_version"),
-                "segments": call.get("segments"),
+                "mlflow.llm.model": call.model,
+                "mlflow.chat.tokenUsage": _token_usage(call.usage),
+                "mlflow.chat.tools": call.prompt.get("tools"),
+                "index": call.index,
+                "dialect": call.dialect,
+                "route": call.route,
+                "upstream": call.upstream,
+                "http_status": call.http_status,
+                "stream": call.stream,
+                "request_id": call.request_id,
+                "first_byte_ns": _ns(call.first_byte) if call.first_byte else None,
+                "weight_version": call.weight_version,
+                "segments": call.segments,
             }
         )
         spans.append(_SpanData(
-            name="generate", span_type=SpanType.LLM, part=f"call/{call.get('index')}",
-            root=False, start=call["start"], end=call.get("end"),
-            inputs=_llm_inputs(call, prompt, text), outputs=_llm_outputs(call),
-            attributes=attributes, error=call.get("error"),
+            name="generate", span_type=SpanType.LLM, part=call.id, root=False,
+            start=call.start, end=call.end, inputs=_llm_inputs(call, ids),
+            outputs=_llm_outputs(call), attributes=attributes, error=call.error,
         ))  # fmt: skip
-    for tool in data.get("tools") or []:
+    for tool in view.tools:
         attributes = _compact(
             {
-                "index": tool.get("index"),
-                "observed": tool.get("observed"),
-                "call_id": tool.get("call_id"),
-                "requested_by": tool.get("requested_by"),
-                "raw": tool.get("raw"),
-                "route": tool.get("route"),
-                "upstream": tool.get("upstream"),
-                "http_status": tool.get("http_status"),
+                "index": tool.index,
+                "observed": tool.observed,
+                "call_id": tool.call_id,
+                "requested_by": tool.requested_by,
+                "raw": tool.raw,
+                "route": tool.route,
+                "upstream": tool.upstream,
+                "http_status": tool.http_status,
             }
         )
         # A call never answered ends when the trajectory does (its result is unknown).
         spans.append(_SpanData(
-            name=tool.get("name") or "tool", span_type=SpanType.TOOL,
-            part=f"tool/{tool.get('index')}", root=False, start=tool["start"],
-            end=tool.get("end") if tool.get("end") is not None else data["end"],
-            inputs=_tool_inputs(tool.get("arguments")), outputs=tool.get("result"),
-            attributes=attributes, error=tool.get("error"),
+            name=tool.name or "tool", span_type=SpanType.TOOL, part=tool.id, root=False,
+            start=tool.start, end=tool.end if tool.end is not None else root.end,
+            inputs=_tool_inputs(tool), outputs=tool.result, attributes=attributes,
+            error=tool.error,
         ))  # fmt: skip
 
-    first_prompt = prompts[0] if prompts else {}
+    first_prompt = view.calls[0].prompt if view.calls else {}
     root_inputs = _compact(
         {
             "messages": first_prompt.get("messages"),
             "prompt": first_prompt.get("text"),
-            "prompt_ids": first_prompt.get("token_ids"),
-            "prompt_text": texts[0] if texts else None,
+            "prompt_ids": prompt_ids[0] if prompt_ids else None,
+            "prompt_text": view.calls[0].prompt_text if view.calls else None,
         }
     )
-    last = (calls[-1].get("outputs") or [{}])[0] if calls else {}
+    last = (view.calls[-1].outputs or [{}])[0] if view.calls else {}
     response = last.get("text") if last.get("text") is not None else last.get("response_text")
     if response is None and last.get("tool_calls"):
         response = last.get("tool_calls")
     root_outputs = _compact(
         {
             "response": response,
-            "transcript": transcript_of(data),
-            "reward": data.get("reward"),
-            "score": data.get("score"),
-            "labels": data.get("labels") or None,
-            "num_turns": len(calls),
-            "status": data.get("status"),
-            "close_reason": data.get("close_reason"),
+            "transcript": root.transcript,
+            "reward": root.reward,
+            "score": root.score,
+            "labels": root.labels or None,
+            "num_turns": len(view.calls),
+            "status": root.status,
+            "close_reason": root.close_reason,
         }
     )
     root_attributes = _compact(
         {
-            "trajectory_record_id": data["id"],
+            "trajectory_record_id": root.record_id,
             "project": key.get("project"),
             "experiment": key.get("experiment"),
             "step": key.get("step"),
@@ -424,18 +386,18 @@ def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
             "trajectory_id": key.get("trajectory_id"),
             "sample_hash": key.get("sample_hash"),
             "key_sources": key.get("sources") or None,
-            "part": data.get("part"),
-            "upstreams": data.get("upstreams") or None,
-            "weight_versions": data.get("weight_versions") or None,
-            "annotations": data.get("annotations") or None,
-            "summary": data.get("summary") or None,
+            "part": root.part,
+            "upstreams": root.upstreams or None,
+            "weight_versions": root.weight_versions or None,
+            "annotations": root.annotations or None,
+            "summary": root.summary or None,
         }
     )
-    error = data.get("status") == "error"
+    error = root.status == "error"
     spans.insert(0, _SpanData(
-        name=ROOT_SPAN, span_type=SpanType.AGENT, part="root", root=True,
-        start=data["start"], end=data["end"], inputs=root_inputs, outputs=root_outputs,
-        attributes=root_attributes, error=_root_error(calls) if error else None,
+        name=ROOT_SPAN, span_type=SpanType.AGENT, part=root.id, root=True,
+        start=root.start, end=root.end, inputs=root_inputs, outputs=root_outputs,
+        attributes=root_attributes, error=_root_error(view) if error else None,
     ))  # fmt: skip
 
     # verl's tags, as verl writes them (str() of the value), so the same filters work.
@@ -447,12 +409,12 @@ def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
     tags["experiment_name"] = str(key.get("experiment"))
     if key.get("trajectory_id") is not None:
         tags["trajectory_id"] = str(key["trajectory_id"])
-    tags.update(outcome_tags(data.get("reward"), data.get("score"), data.get("labels")))
+    tags.update(outcome_tags(root.reward, root.score, root.labels))
 
-    metadata = {"mlflow.trace_schema.version": "3", "trace_proxy.record_id": data["id"]}
+    metadata = {"mlflow.trace_schema.version": "3", "trace_proxy.record_id": root.record_id}
     if run_id is not None:
         metadata["mlflow.sourceRun"] = run_id
-    usage = [u for u in (_token_usage(c.get("usage")) for c in calls) if u is not None]
+    usage = [u for u in (_token_usage(c.usage) for c in view.calls) if u is not None]
     if usage:
         totals = {k: sum(u[k] for u in usage) for k in usage[0]}
         metadata["mlflow.trace.tokenUsage"] = _json(totals)
@@ -467,11 +429,11 @@ def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
         metadata=metadata,
         request_preview=_preview(request),
         response_preview=_preview(response),
-        start_ns=_ns(data["start"]),
-        end_ns=_ns(data["end"]),
+        start_ns=_ns(root.start),
+        end_ns=_ns(root.end),
         error=error,
         spans=spans,
-        record_id=data["id"],
+        record_id=root.record_id,
     )  # fmt: skip
 
 
@@ -807,17 +769,28 @@ def _chunks(items: list[Any], size: int) -> Iterator[list[Any]]:
         yield items[start : start + size]
 
 
-def default_tracking_uri(settings: Settings) -> str:
+@dataclass(frozen=True)
+class MlflowConfig:
+    """What the mlflow backend is told: `--mlflow-tracking-uri` (None: the default below),
+    `--output` (where that default database goes), `--project`, `--mlflow-run`."""
+
+    tracking_uri: str | None
+    output: Path
+    project: str
+    run: str | None = None
+
+
+def default_tracking_uri(config: MlflowConfig) -> str:
     """--mlflow-tracking-uri, else MLFLOW_TRACKING_URI, else sqlite under --output."""
-    if settings.mlflow_tracking_uri:
-        return settings.mlflow_tracking_uri
+    if config.tracking_uri:
+        return config.tracking_uri
     if os.environ.get("MLFLOW_TRACKING_URI"):
         return os.environ["MLFLOW_TRACKING_URI"]
-    return "sqlite:///" + str((settings.output / "mlflow.db").absolute())
+    return "sqlite:///" + str((config.output / "mlflow.db").absolute())
 
 
-def create(settings: Settings) -> MlflowExporter:
-    return MlflowExporter(default_tracking_uri(settings), settings.project, settings.mlflow_run)
+def create(config: MlflowConfig) -> MlflowExporter:
+    return MlflowExporter(default_tracking_uri(config), config.project, config.run)
 
 
-__all__ = ["MlflowExporter", "create", "render", "trace_id_of"]
+__all__ = ["MlflowConfig", "MlflowExporter", "create", "render", "trace_id_of"]
