@@ -1,14 +1,4 @@
-"""A fake SGLang server for the tests.
-
-Follows sglang 0.5.23 `srt/entrypoints/http_server.py` (with the tokenizer manager and the
-OpenAI serving classes behind it) as described in the reference `inference-apis.md`, checked
-against the wheel's source: `/generate` with text or ids, single or batched, `n` > 1 as a JSON
-list, CUMULATIVE streaming by default (`incremental_streaming_output=True` for deltas), logprob
-tuples `[logprob, token_id, text|null]`, meta_info fields in the manager's order, the schema
-gate's 400 `{"error": "..."}` and the control routes RL trainers call. The text generation,
-tokenization, pacing, abort tracking and server start are the simulated vLLM's
-(`trace_proxy.demo.simulated_vllm`), so both fakes answer a prompt the same way.
-"""
+"""`FakeSGLang`: SGLang 0.5.23's HTTP server (`srt/entrypoints/http_server.py`), simulated."""
 
 from __future__ import annotations
 

@@ -1,0 +1,29 @@
+"""A fake SGLang server for the tests.
+
+Follows sglang 0.5.23 `srt/entrypoints/http_server.py` (with the tokenizer manager and the
+OpenAI serving classes behind it) as described in the reference `inference-apis.md`, checked
+against the wheel's source: `/generate` with text or ids, single or batched, `n` > 1 as a JSON
+list, CUMULATIVE streaming by default (`incremental_streaming_output=True` for deltas), logprob
+tuples `[logprob, token_id, text|null]`, meta_info fields in the manager's order, the schema
+gate's 400 `{"error": "..."}` and the control routes RL trainers call. The text generation,
+tokenization, pacing, abort tracking and server start are the simulated vLLM's
+(`trace_proxy.demo.simulated_vllm`), so both fakes answer a prompt the same way.
+"""
+
+from .app import (
+    FLUSH_CACHE_TEXT,
+    SAMPLING_FIELDS,
+    SGLANG_VERSION,
+    ContractError,
+    FakeSGLang,
+    contract_error,
+)
+
+__all__ = [
+    "FLUSH_CACHE_TEXT",
+    "SAMPLING_FIELDS",
+    "SGLANG_VERSION",
+    "ContractError",
+    "FakeSGLang",
+    "contract_error",
+]
