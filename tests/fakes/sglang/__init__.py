@@ -10,7 +10,8 @@ tokenization, pacing, abort tracking and server start are the simulated vLLM's
 (`trace_proxy.demo.simulated_vllm`), so both fakes answer a prompt the same way.
 """
 
-from .app import FLUSH_CACHE_TEXT, SGLANG_VERSION, FakeSGLang
+from .app import FLUSH_CACHE_TEXT, FakeSGLang
+from .base import SGLANG_VERSION
 from .contract import SAMPLING_FIELDS, ContractError, contract_error
 
 __all__ = [
