@@ -10,6 +10,7 @@ completions and chat routes share, as SGLang's `srt/entrypoints/openai/serving_b
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from trace_proxy.demo.simulated_vllm import (
     Sample,
     SampleParams,
     SimulatedServer,
+    SSEStream,
     json_response,
 )
 
@@ -62,16 +64,7 @@ class SGLangBase(SimulatedServer):
         )
 
     def _openai_error(self, message: str, code: int = 400) -> web.Response:
-        return json_response(
-            {
-                "object": "error",
-                "message": message,
-                "type": "BadRequestError",
-                "param": None,
-                "code": code,
-            },
-            code,
-        )
+        return json_response(self._openai_error_body(message, code), code)
 
     @staticmethod
     def _usage(prompt_tokens: int, completion_tokens: int) -> JSON:
@@ -119,3 +112,14 @@ class SGLangBase(SimulatedServer):
             "param": None,
             "code": code,
         }
+
+    def _openai_stream(self, request: web.Request) -> SSEStream:
+        """A completions or chat stream: the knobs, and a 500 `BadRequestError` as error event."""
+        return SSEStream(
+            request,
+            keepalive=self.keepalive_comments,
+            error_after=self.error_after_chunks,
+            error_event=json.dumps(
+                {"error": self._openai_error_body("Internal server error", 500)}
+            ).encode(),
+        )

@@ -9,7 +9,6 @@ its arguments, `finish_reason` `tool_calls` once a call was made, `prompt_token_
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import orjson
@@ -19,7 +18,6 @@ from trace_proxy.demo.simulated_vllm import (
     JSON,
     Flight,
     Sample,
-    SSEStream,
     dumps,
     hermes_extract,
     json_response,
@@ -142,14 +140,7 @@ class ChatRoutes(SGLangBase):
         flight: Flight,
         prompt_ids: tuple[int, ...],
     ) -> web.StreamResponse:
-        sse = SSEStream(
-            request,
-            keepalive=self.keepalive_comments,
-            error_after=self.error_after_chunks,
-            error_event=json.dumps(
-                {"error": self._openai_error_body("Internal server error", 500)}
-            ).encode(),
-        )
+        sse = self._openai_stream(request)
         await sse.open()
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model}
 

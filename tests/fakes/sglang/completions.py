@@ -8,12 +8,10 @@ versions, and a usage-only chunk at the end of a stream when `stream_options.inc
 
 from __future__ import annotations
 
-import json
-
 import orjson
 from aiohttp import web
 
-from trace_proxy.demo.simulated_vllm import JSON, Flight, Sample, SSEStream, dumps, json_response
+from trace_proxy.demo.simulated_vllm import JSON, Flight, Sample, dumps, json_response
 
 from .base import SGLangBase
 
@@ -96,14 +94,7 @@ class CompletionsRoutes(SGLangBase):
         flight: Flight,
         prompt_tokens: int,
     ) -> web.StreamResponse:
-        sse = SSEStream(
-            request,
-            keepalive=self.keepalive_comments,
-            error_after=self.error_after_chunks,
-            error_event=json.dumps(
-                {"error": self._openai_error_body("Internal server error", 500)}
-            ).encode(),
-        )
+        sse = self._openai_stream(request)
         await sse.open()
         created = self.created()
         longest = max(len(s.token_ids) for _, s in samples)
