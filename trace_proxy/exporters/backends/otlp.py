@@ -10,7 +10,8 @@ their Python constants are deprecated):
       chat {model}                     one per generate call of the `openai.chat` dialect
       text_completion {model}          one per generate call of any other dialect
       execute_tool {name}              one per tool span, linked to the call that asked for it
-The spans are mapped from the trajectory's neutral view (`spans.py`). Every span carries the
+The spans are mapped from the trajectory's neutral view (`spans.py`); their messages and
+attributes are the conventions' (`otlp_conventions.py`). Every span carries the
 exact start and end times of the record (Unix seconds as floats, turned into integer
 nanoseconds without float error: `spans.ns`). A call's `gen_ai.input.messages` is its full
 prompt (prefix sharing undone; for token dialects the decoded text that token2text stored),
