@@ -27,7 +27,7 @@ def as_records(stored: list[dict[str, Any]]) -> list[Record]:
 
 
 def mlflow_traces(records: list[Record]) -> list[Any]:
-    from trace_proxy.exporters.backends.mlflow import outcome_tags, render
+    from trace_proxy.exporters.backends.mlflow_traces import outcome_tags, render
 
     rendered: list[Any] = []
     for record in records:

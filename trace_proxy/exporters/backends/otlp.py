@@ -10,7 +10,8 @@ their Python constants are deprecated):
       chat {model}                     one per generate call of the `openai.chat` dialect
       text_completion {model}          one per generate call of any other dialect
       execute_tool {name}              one per tool span, linked to the call that asked for it
-The spans are mapped from the trajectory's neutral view (`spans.py`). Every span carries the
+The spans are mapped from the trajectory's neutral view (`spans.py`); their messages and
+attributes are the conventions' (`otlp_conventions.py`). Every span carries the
 exact start and end times of the record (Unix seconds as floats, turned into integer
 nanoseconds without float error: `spans.ns`). A call's `gen_ai.input.messages` is its full
 prompt (prefix sharing undone; for token dialects the decoded text that token2text stored),
@@ -50,12 +51,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-import orjson
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import Resource
@@ -66,44 +65,34 @@ from opentelemetry.sdk.trace.sampling import ALWAYS_ON
 from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from trace_proxy import __version__
+from trace_proxy.exporters.backends.otlp_conventions import (
+    AGENT_NAME,
+    Attributes,
+    CallView,
+    content_size,
+    describe,
+    fill_messages,
+    int_or_none,
+    json_text,
+    providers_of,
+    put,
+    root_attributes,
+    root_error,
+    segment_event,
+    span_attributes_of_tool,
+)
 from trace_proxy.exporters.backends.spans import (
-    Generation,
-    Tool,
-    TrajectorySpans,
     error_text,
     ns,
     trajectory_spans,
 )
 from trace_proxy.exporters.base import ExportRejected
-from trace_proxy.trajectories.record import CallError, Record, StepEvent, Trajectory, dumps
+from trace_proxy.trajectories.record import Record, StepEvent, Trajectory, dumps
 
 log = logging.getLogger(__name__)
 
-AGENT_NAME = "agent_loop"
 SCOPE = "trace_proxy.exporters.otlp"
 REQUEST_BUDGET = 8_000_000  # characters of content per OTLP request (the receiver caps bytes)
-PROVIDERS = {"vllm.generate": "vllm", "sglang.generate": "sglang"}
-# key field -> root attribute; the MLflow trace tag is `mlflow.traceTag.<key field>`
-KEY_ATTRIBUTES = {
-    "project": "rollout.project",
-    "experiment": "rollout.experiment",
-    "step": "rollout.step",
-    "sample_index": "rollout.sample_index",
-    "rollout_n": "rollout.n",
-    "validate": "rollout.validate",
-    "trajectory_id": "rollout.trajectory_id",
-    "sample_hash": "rollout.sample_hash",
-}
-SAMPLING_FLOATS = {
-    "temperature": "gen_ai.request.temperature",
-    "top_p": "gen_ai.request.top_p",
-    "top_k": "gen_ai.request.top_k",
-    "frequency_penalty": "gen_ai.request.frequency_penalty",
-    "presence_penalty": "gen_ai.request.presence_penalty",
-}
-MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
-
-Attributes = dict[str, Any]
 
 
 # The receiver cannot take these spans, however often they are sent (bad request, too large,
@@ -221,14 +210,14 @@ class OtlpExporter:
         view = trajectory_spans(t)
         top = view.root
         conversation = top.key.get("trajectory_id") or top.record_id
-        providers = _providers(view.calls)
-        calls = [_CallView(call, providers, conversation) for call in view.calls]
-        _fill_messages(view, calls)
+        providers = providers_of(view.calls)
+        calls = [CallView(call, providers, conversation) for call in view.calls]
+        fill_messages(view, calls)
         start = min([top.start, *(c.start for c in view.calls), *(s.start for s in view.tools)])
         ends = [top.end, *(c.end or 0.0 for c in view.calls), *(s.end or 0.0 for s in view.tools)]
         end = max(ends)
 
-        attributes = _root_attributes(view, conversation, calls)
+        attributes = root_attributes(view, conversation, calls)
         root = self._tracer.start_span(
             f"invoke_agent {AGENT_NAME}",
             context=Context(),
@@ -238,9 +227,9 @@ class OtlpExporter:
         )
         failed = view.failed
         if top.status == "error" or failed:
-            root.set_status(Status(StatusCode.ERROR, _root_error(failed, len(calls))))
+            root.set_status(Status(StatusCode.ERROR, root_error(failed, len(calls))))
         parent = trace.set_span_in_context(root)
-        size = 500 + _content_size(attributes)
+        size = 500 + content_size(attributes)
 
         contexts: list[trace.SpanContext] = []
         for call_view in calls:
@@ -257,15 +246,15 @@ class OtlpExporter:
             if call.first_byte is not None:
                 span.add_event("first_byte", timestamp=ns(call.first_byte))
             for segment in call.segments or []:
-                _segment_event(span, segment)
+                segment_event(span, segment)
             if call.error is not None:
                 span.set_status(Status(StatusCode.ERROR, error_text(call.error)))
             contexts.append(span.get_span_context())
             span.end(end_time=ns(call.end if call.end is not None else call.start))
-            size += 300 + _content_size(call_attributes)
+            size += 300 + content_size(call_attributes)
 
         for tool in view.tools:
-            tool_attributes = _tool_attributes(tool, conversation)
+            tool_attrs = span_attributes_of_tool(tool, conversation)
             requested_by = tool.requested_by
             links = (
                 [Link(contexts[requested_by])]
@@ -276,14 +265,14 @@ class OtlpExporter:
                 f"execute_tool {tool.name}" if tool.name else "execute_tool",
                 context=parent,
                 kind=SpanKind.INTERNAL,
-                attributes=tool_attributes,
+                attributes=tool_attrs,
                 links=links,
                 start_time=ns(tool.start),
             )
             if tool.error is not None:
                 span.set_status(Status(StatusCode.ERROR, error_text(tool.error)))
             span.end(end_time=ns(tool.end if tool.end is not None else max(tool.start, end)))
-            size += 300 + _content_size(tool_attributes)
+            size += 300 + content_size(tool_attrs)
 
         root.end(end_time=ns(end))
         return size
@@ -299,10 +288,10 @@ class OtlpExporter:
             "mlflow.traceTag.experiment": event.experiment,
             "mlflow.traceTag.event": event.event,
         }
-        _put(attributes, "http.response.status_code", _int(event.http_status))
-        _put(attributes, "rollout.weight_version", event.weight_version)
+        put(attributes, "http.response.status_code", int_or_none(event.http_status))
+        put(attributes, "rollout.weight_version", event.weight_version)
         if event.params:
-            attributes["trace_proxy.params"] = _json(event.params)
+            attributes["trace_proxy.params"] = json_text(event.params)
         span = self._tracer.start_span(
             f"step_event {event.event}",
             context=Context(),
@@ -311,9 +300,9 @@ class OtlpExporter:
             start_time=ns(event.time),
         )
         if event.error is not None:
-            span.set_status(Status(StatusCode.ERROR, _describe(event.error)))
+            span.set_status(Status(StatusCode.ERROR, describe(event.error)))
         span.end(end_time=ns(event.time))
-        return 300 + _content_size(attributes)
+        return 300 + content_size(attributes)
 
 
 @dataclass(frozen=True)
@@ -394,418 +383,3 @@ def _trace_id(key: str) -> int:
         if value:
             return value
     return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=16).digest(), "big") or 1
-
-
-class _CallView:
-    """One generate call, with its full input and output rendered as convention messages."""
-
-    __slots__ = ("call", "conversation", "input_messages", "operation", "output_messages",
-                 "prompt_note", "provider", "tool_definitions")  # fmt: skip
-
-    def __init__(self, call: Generation, providers: dict[str, str], conversation: str) -> None:
-        self.call = call
-        self.conversation = conversation
-        self.operation = "chat" if call.dialect == "openai.chat" else "text_completion"
-        self.provider = PROVIDERS.get(call.dialect or "") or providers.get(call.upstream or "")
-        self.input_messages: str | None = None
-        self.output_messages: str | None = None
-        self.tool_definitions: str | None = None
-        self.prompt_note: Attributes = {}
-
-    def attributes(self) -> Attributes:
-        call = self.call
-        a: Attributes = {
-            "gen_ai.operation.name": self.operation,
-            "gen_ai.conversation.id": self.conversation,
-            "gen_ai.request.stream": call.stream,
-        }
-        _put(a, "gen_ai.provider.name", self.provider)
-        _put(a, "gen_ai.request.model", call.model)
-        _put(a, "gen_ai.response.model", call.model)
-        _sampling(a, call.sampling)
-        _put(a, "gen_ai.response.id", call.request_id)
-        finish = [
-            o["finish_reason"] for o in call.outputs if isinstance(o.get("finish_reason"), str)
-        ]
-        if finish:
-            a["gen_ai.response.finish_reasons"] = finish
-        _usage(a, call.usage)
-        _put(a, "gen_ai.input.messages", self.input_messages)
-        _put(a, "gen_ai.output.messages", self.output_messages)
-        _put(a, "gen_ai.tool.definitions", self.tool_definitions)
-        a.update(self.prompt_note)
-        _put(a, "http.response.status_code", _int(call.http_status))
-        _server(a, call.upstream)
-        a["trace_proxy.call.index"] = call.index
-        a["trace_proxy.dialect"] = call.dialect
-        a["trace_proxy.route"] = call.route
-        a["trace_proxy.upstream"] = call.upstream
-        _put(a, "rollout.weight_version", call.weight_version)
-        _put(a, "trace_proxy.unparsed", call.unparsed)
-        if call.error is not None:
-            a["error.type"] = call.error.get("type")
-        return a
-
-
-def _providers(calls: tuple[Generation, ...]) -> dict[str, str]:
-    """Which server each upstream is, as far as a native dialect to it tells."""
-    found: dict[str, str] = {}
-    for call in calls:
-        provider = PROVIDERS.get(call.dialect or "")
-        if provider is not None and call.upstream is not None:
-            found.setdefault(call.upstream, provider)
-    return found
-
-
-def _fill_messages(view: TrajectorySpans, calls: list[_CallView]) -> None:
-    """Full inputs and outputs of every call, as `gen_ai.*.messages` JSON strings."""
-    if not calls:
-        return
-    decoded = _decoded_prompts(view)
-    for call_view, text in zip(calls, decoded, strict=True):
-        call = call_view.call
-        prompt = call.prompt
-        if call_view.operation == "chat" and prompt.get("messages") is not None:
-            call_view.input_messages = _json([_chat_message(m) for m in prompt["messages"]])
-        else:
-            full = text if text is not None else prompt.get("text")
-            if full is None and call.prompt_piece is not None:
-                # Part of the prompt is shared with an earlier call whose decoded text cannot
-                # be cut at a token boundary here: send the decoded rest, and say so.
-                full = call.prompt_piece
-                omitted = (call.stored_prompt.get("prefix_len") or {}).get("token_ids", 0)
-                call_view.prompt_note = {
-                    "trace_proxy.prompt.prefix_call": call.stored_prompt.get("prefix_call"),
-                    "trace_proxy.prompt.omitted_prefix_tokens": omitted,
-                }
-            if full is not None:
-                call_view.input_messages = _json([_text_message("user", full)])
-        if prompt.get("tools"):
-            call_view.tool_definitions = _json(prompt["tools"])
-        outputs = [_output_message(o, call) for o in call.outputs]
-        if any(m["parts"] for m in outputs):
-            call_view.output_messages = _json(outputs)
-
-
-def _decoded_prompts(view: TrajectorySpans) -> list[str | None]:
-    """Each call's full prompt as token2text decoded it, where the stored pieces spell it out:
-    `prompt_text` is the decoded stored suffix; a call that extends the whole context (prompt +
-    first response) of the call it shares with prepends that call's full text.
-
-    Stricter than the view's `prompt_text`, which also joins a prompt that kept the earlier
-    prompt but not its response; and the last call's text comes from a stored transcript."""
-    calls = view.calls
-    full: list[str | None] = []
-    context: list[int | None] = []  # token count of prompt + first output, per call
-    for position, call in enumerate(calls):
-        prompt = call.stored_prompt
-        token_ids = prompt.get("token_ids")
-        ids = len(token_ids) if token_ids is not None else None
-        shared = (prompt.get("prefix_len") or {}).get("token_ids")
-        ref = prompt.get("prefix_call")
-        first = call.outputs[0] if call.outputs else None
-        text: str | None = None
-        prompt_len: int | None = ids
-        if ref is None or shared is None:
-            text = call.prompt_piece
-        elif 0 <= ref < position:
-            prompt_len = None if ids is None else shared + ids
-            base = calls[ref].outputs[0] if calls[ref].outputs else None
-            response = (
-                "" if base is None or not base.get("token_ids") else base.get("response_text")
-            )
-            if (
-                call.prompt_piece is not None
-                and full[ref] is not None
-                and context[ref] == shared
-                and response is not None
-            ):
-                text = f"{full[ref]}{response}{call.prompt_piece}"
-        full.append(text)
-        outputs = len(first["token_ids"]) if first is not None and first.get("token_ids") else 0
-        context.append(None if prompt_len is None else prompt_len + outputs)
-    last = calls[-1] if calls else None
-    transcript = view.root.transcript if view.root.transcript_stored else None
-    if (
-        last is not None
-        and transcript is not None
-        and last.stored_prompt.get("token_ids") is not None
-        and last.prompt_piece is not None
-    ):
-        # A stored transcript is the last call's whole context decoded in one piece: stored
-        # because the pieces do not spell it out (a re-rendered turn, a character split
-        # across pieces), so it is the better text of the last call's prompt.
-        first = last.outputs[0] if last.outputs else None
-        response = (
-            first.get("response_text") if first is not None and first.get("token_ids") else ""
-        )
-        if response is not None and transcript.endswith(response):
-            full[-1] = transcript[: len(transcript) - len(response)]
-    return full
-
-
-def _chat_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """An OpenAI chat message in the conventions' {role, parts} form."""
-    role = message.get("role")
-    parts: list[dict[str, Any]] = []
-    content = message.get("content")
-    if role == "tool":
-        parts.append(
-            {"type": "tool_call_response", "id": message.get("tool_call_id"), "response": content}
-        )
-    else:
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        if isinstance(reasoning, str) and reasoning:
-            parts.append({"type": "reasoning", "content": reasoning})
-        parts += _content_parts(content)
-        for tool_call in message.get("tool_calls") or []:
-            if isinstance(tool_call, Mapping):
-                parts.append(_tool_call_part(tool_call))
-    result: dict[str, Any] = {"role": role, "parts": parts}
-    if message.get("name") is not None:
-        result["name"] = message["name"]
-    return result
-
-
-def _content_parts(content: Any) -> list[dict[str, Any]]:
-    if content is None:
-        return []
-    if isinstance(content, str):
-        return [{"type": "text", "content": content}]
-    if isinstance(content, list):
-        parts: list[dict[str, Any]] = []
-        for item in content:
-            if isinstance(item, str):
-                parts.append({"type": "text", "content": item})
-            elif isinstance(item, Mapping) and item.get("type") == "text":
-                parts.append({"type": "text", "content": item.get("text")})
-            elif isinstance(item, Mapping):
-                parts.append(dict(item))  # image_url, input_audio...: a generic part as sent
-        return parts
-    return [{"type": "text", "content": str(content)}]
-
-
-def _tool_call_part(tool_call: Mapping[str, Any]) -> dict[str, Any]:
-    function = tool_call.get("function")
-    function = function if isinstance(function, Mapping) else {}
-    return {
-        "type": "tool_call",
-        "id": tool_call.get("id"),
-        "name": function.get("name"),
-        "arguments": _json_or_text(function.get("arguments")),
-    }
-
-
-def _text_message(role: str, text: str) -> dict[str, Any]:
-    return {"role": role, "parts": [{"type": "text", "content": text}]}
-
-
-def _output_message(output: Mapping[str, Any], call: Generation) -> dict[str, Any]:
-    parts: list[dict[str, Any]] = []
-    if output.get("reasoning"):
-        parts.append({"type": "reasoning", "content": output["reasoning"]})
-    text = output.get("response_text")
-    if text is None:
-        text = output.get("text")
-    if text:
-        parts.append({"type": "text", "content": text})
-    for tool_call in output.get("tool_calls") or []:
-        if isinstance(tool_call, Mapping):
-            parts.append(_tool_call_part(tool_call))
-    finish = output.get("finish_reason")
-    finish = finish if isinstance(finish, str) else None
-    return {
-        "role": "assistant",
-        "parts": parts,
-        "finish_reason": finish or ("error" if call.error is not None else ""),
-    }
-
-
-def _root_attributes(
-    view: TrajectorySpans, conversation: str, calls: list[_CallView]
-) -> Attributes:
-    t = view.root
-    a: Attributes = {
-        "gen_ai.operation.name": "invoke_agent",
-        "gen_ai.agent.name": AGENT_NAME,
-        "gen_ai.conversation.id": conversation,
-    }
-    names = {v.provider for v in calls}
-    if len(names) == 1:
-        _put(a, "gen_ai.provider.name", names.pop())
-    models = {v.call.model for v in calls}
-    if len(models) == 1:
-        _put(a, "gen_ai.request.model", models.pop())
-    if calls:
-        _put(a, "gen_ai.input.messages", calls[0].input_messages)
-        _put(a, "gen_ai.output.messages", calls[-1].output_messages)
-    key = t.key
-    tags: dict[str, Any] = {}
-    for field, attribute in KEY_ATTRIBUTES.items():
-        value = key.get(field)
-        if value is not None:
-            a[attribute] = value
-            tags[field] = value
-    a["rollout.record_id"] = t.record_id
-    a["rollout.part"] = t.part
-    a["rollout.status"] = t.status
-    a["rollout.close_reason"] = t.close_reason
-    _put(a, "rollout.reward", _float(t.reward))
-    _put(a, "rollout.score", _float(t.score))
-    if t.labels:
-        a["rollout.labels"] = _json(t.labels)
-    if key.get("sources"):
-        a["rollout.key_sources"] = _json(key["sources"])
-    if t.weight_versions:
-        a["rollout.weight_versions"] = [str(v) for v in t.weight_versions]
-    if t.upstreams:
-        a["trace_proxy.upstreams"] = [str(u) for u in t.upstreams]
-    if t.annotations:
-        a["trace_proxy.annotations"] = _json(t.annotations)
-    for name, count in (t.summary or {}).items():
-        if isinstance(count, int) and not isinstance(count, bool):
-            a[f"trace_proxy.summary.{name}"] = count
-    tags.update(record_id=t.record_id, part=t.part, status=t.status, close_reason=t.close_reason)
-    if t.reward is not None:
-        tags["reward"] = t.reward
-    if t.score is not None:
-        tags["score"] = t.score
-    for field, value in tags.items():
-        a[f"mlflow.traceTag.{field}"] = _tag(value)
-    return a
-
-
-def _tool_attributes(tool: Tool, conversation: str) -> Attributes:
-    a: Attributes = {
-        "gen_ai.operation.name": "execute_tool",
-        "gen_ai.conversation.id": conversation,
-        "trace_proxy.tool.index": tool.index,
-        "trace_proxy.tool.observed": tool.observed,
-    }
-    _put(a, "gen_ai.tool.name", tool.name)
-    _put(a, "gen_ai.tool.call.id", tool.call_id)
-    _put(a, "gen_ai.tool.call.arguments", tool.arguments)
-    _put(a, "gen_ai.tool.call.result", tool.result)
-    _put(a, "trace_proxy.tool.requested_by", _int(tool.requested_by))
-    if tool.end is None:
-        a["trace_proxy.tool.unanswered"] = True
-    _put(a, "trace_proxy.tool.raw", tool.raw)
-    _put(a, "trace_proxy.route", tool.route)
-    _put(a, "trace_proxy.upstream", tool.upstream)
-    _put(a, "http.response.status_code", _int(tool.http_status))
-    if tool.upstream:
-        _server(a, tool.upstream)
-    if tool.error is not None:
-        a["error.type"] = tool.error.get("type")
-    return a
-
-
-def _sampling(a: Attributes, sampling: Mapping[str, Any]) -> None:
-    for field, attribute in SAMPLING_FLOATS.items():
-        _put(a, attribute, _float(sampling.get(field)))
-    for field in MAX_TOKENS_FIELDS:
-        value = _int(sampling.get(field))
-        if value is not None:
-            a["gen_ai.request.max_tokens"] = value
-            break
-    _put(a, "gen_ai.request.seed", _int(sampling.get("seed")))
-    n = _int(sampling.get("n"))
-    if n is not None and n != 1:
-        a["gen_ai.request.choice.count"] = n
-    stop = sampling.get("stop")
-    if isinstance(stop, str):
-        a["gen_ai.request.stop_sequences"] = [stop]
-    elif isinstance(stop, list) and stop and all(isinstance(s, str) for s in stop):
-        a["gen_ai.request.stop_sequences"] = list(stop)
-
-
-def _usage(a: Attributes, usage: Mapping[str, Any] | None) -> None:
-    if not usage:
-        return
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    _put(a, "gen_ai.usage.input_tokens", _int(usage.get("input_tokens", prompt)))
-    _put(a, "gen_ai.usage.output_tokens", _int(usage.get("output_tokens", completion)))
-    details = usage.get("prompt_tokens_details")
-    cached = details.get("cached_tokens") if isinstance(details, Mapping) else None
-    _put(a, "gen_ai.usage.cache_read.input_tokens", _int(cached or usage.get("cached_tokens")))
-    details = usage.get("completion_tokens_details")
-    reasoning = details.get("reasoning_tokens") if isinstance(details, Mapping) else None
-    _put(a, "gen_ai.usage.reasoning.output_tokens", _int(reasoning))
-
-
-def _server(a: Attributes, upstream: str | None) -> None:
-    if not upstream:
-        return
-    try:
-        parts = urlsplit(upstream)
-        host, port = parts.hostname, parts.port
-    except ValueError:
-        return
-    _put(a, "server.address", host)
-    _put(a, "server.port", port)
-
-
-def _segment_event(span: trace.Span, segment: Mapping[str, Any]) -> None:
-    start = _float(segment.get("start"))
-    if start is None:
-        return
-    attributes: Attributes = {}
-    _put(attributes, "gen_ai.response.id", segment.get("request_id"))
-    _put(attributes, "http.response.status_code", _int(segment.get("http_status")))
-    _put(attributes, "gen_ai.response.finish_reason", segment.get("finish_reason"))
-    _put(attributes, "trace_proxy.segment.end_ns", _maybe_ns(_float(segment.get("end"))))
-    span.add_event("segment", attributes=attributes, timestamp=ns(start))
-
-
-def _root_error(failed: list[Generation], calls: int) -> str:
-    if not failed:
-        return "trajectory status is error"
-    first = error_text(failed[0].error) or "error"
-    more = f" (and {len(failed) - 1} more)" if len(failed) > 1 else ""
-    return f"{len(failed)} of {calls} calls failed; call {failed[0].index}: {first}{more}"
-
-
-def _describe(error: CallError) -> str:
-    return f"{error.type}: {error.message}"
-
-
-def _put(a: Attributes, name: str, value: Any) -> None:
-    if value is not None:
-        a[name] = value
-
-
-def _int(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _float(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        return None
-    return float(value)
-
-
-def _maybe_ns(seconds: float | None) -> int | None:
-    return None if seconds is None else ns(seconds)
-
-
-def _tag(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
-def _json(value: Any) -> str:
-    return orjson.dumps(value, default=str).decode()
-
-
-def _json_or_text(value: Any) -> Any:
-    if isinstance(value, str):
-        try:
-            return orjson.loads(value)
-        except orjson.JSONDecodeError:
-            return value
-    return value
-
-
-def _content_size(attributes: Attributes) -> int:
-    return sum(len(v) for v in attributes.values() if isinstance(v, str))
