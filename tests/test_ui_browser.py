@@ -146,6 +146,12 @@ def test_a_new_user_finds_the_best_and_worst_rollout_and_where_they_diverge(
     groups = driver.find_elements(By.CSS_SELECTOR, "#groups tr.group")
     assert [g.get_attribute("data-group") for g in groups] == [f"sample {i}" for i in range(4)]
     assert all(len(g.find_elements(By.CSS_SELECTOR, "td.rollout")) == 2 for g in groups)
+    # Each group says what its sample asks; the whole prompt opens from it.
+    asks = [g.find_element(By.CSS_SELECTOR, "details.gprompt summary").text for g in groups]
+    assert all(asks) and len(set(asks)) == len(asks), asks
+    groups[0].find_element(By.CSS_SELECTOR, "details.gprompt summary").click()
+    whole = groups[0].find_element(By.CSS_SELECTOR, "details.gprompt .full-prompt")
+    assert whole.is_displayed() and whole.text.startswith(asks[0].removesuffix("…"))
     mixed = [g for g in groups if g.find_elements(By.CSS_SELECTOR, "a.compare-best-worst")]
     assert mixed, "the demo's verifier gives some group's rollouts different rewards"
     group = mixed[0]

@@ -223,3 +223,30 @@ async def test_trajectory_ids_with_url_characters_open(tmp_path: Path) -> None:
             assert raw.status == 200
             opened.add((await raw.json())["id"])
         assert opened == set(odd)
+
+
+async def test_a_group_says_what_its_sample_asks(tmp_path: Path) -> None:
+    """The step page names each group's prompt: the first user message (or the decoded text of
+    a token prompt), its start on the card, the whole of it one click away."""
+    directory = run_dir(tmp_path)
+    question = "What is the weather in Paris?\n\nAnswer in   one word. " + "Then explain. " * 30
+    chat = trajectory(step=1, sample=0, calls=[call(0, "Sunny")])
+    chat["calls"][0]["prompt"]["messages"] = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [{"type": "text", "text": question}]},
+    ]
+    tokens = trajectory(step=1, sample=1, calls=[call(0, "4", prompt_text="Two plus two is")])
+    unknown = trajectory(step=1, sample=2, calls=[call(0, "?")])
+    append(step_file(directory, 1), chat, tokens, unknown)
+    client = TestClient(TestServer(Viewer(StoreIndex([tmp_path], min_interval=0)).app()))
+    await client.start_server()
+    try:
+        page = await (await client.get("/run/0/proj/exp/step/1")).text()
+    finally:
+        await client.close()
+    summaries = re.findall(r'<details class="gprompt"><summary>(.*?)</summary>', page, re.S)
+    start = " ".join(question.split())[:160]
+    assert summaries == [html.escape(start) + "…", "Two plus two is"]
+    full = re.findall(r'<div class="full-prompt">(.*?)</div>', page, re.S)
+    assert full[0] == html.escape(question) and full[1] == "Two plus two is"
+    assert page.count('class="group"') == 3  # the third, with no prompt known, has no line

@@ -248,6 +248,7 @@ class Viewer:
         pages = max(1, math.ceil(len(groups) / GROUPS_PER_PAGE))
         page = min(page, pages)
         shown_groups = groups[(page - 1) * GROUPS_PER_PAGE : page * GROUPS_PER_PAGE]
+        await asyncio.to_thread(self._read_prompts, shown_groups)
         filters = {k: v for k, v in query.items() if k != "page" and v}
         return self._render(
             "step.html", run=run, key=key, summary=summary, groups=shown_groups,
@@ -256,6 +257,15 @@ class Viewer:
             filters=filters, other=other if other_exists else None, query=query,
             widest=max((len(g.shown) for g in shown_groups), default=0),
         )  # fmt: skip
+
+    def _read_prompts(self, groups: list[views.Group]) -> None:
+        """Each shown group's prompt, from its first rollout's record: one line read per group
+        of the page, never kept by the index."""
+        for group in groups:
+            try:
+                group.prompt = views.sample_prompt(self.index.read_record(group.rollouts[0]))
+            except (OSError, ValueError):  # a line gone or changed since it was indexed
+                group.prompt = None
 
     async def trajectory_page(self, request: web.Request) -> web.Response:
         await self._refreshed()

@@ -245,11 +245,25 @@ def split_at(text: str | None, chars: int) -> tuple[str, str]:
 # --- groups of a step ------------------------------------------------------------------------
 
 
+PROMPT_START = 160  # characters of a group's prompt on the step page; the rest one click away
+
+
 @dataclass
 class Group:
     name: str
     rollouts: list[Entry]
     shown: list[Entry] = field(default_factory=list)  # after filters, in the chosen order
+    prompt: str | None = None  # what the sample asks (`sample_prompt`), when read
+
+    @property
+    def prompt_start(self) -> str:
+        """The prompt's first characters on one line (whitespace runs made one space)."""
+        return " ".join((self.prompt or "")[: PROMPT_START * 2].split())[:PROMPT_START]
+
+    @property
+    def prompt_cut(self) -> bool:
+        """Does `prompt_start` leave some of the prompt's text out?"""
+        return len(self.prompt_start) < len(" ".join((self.prompt or "").split()))
 
     @property
     def rewards(self) -> list[float]:
@@ -280,6 +294,35 @@ class Group:
     def _rewarded(self) -> list[Entry]:
         rewarded = [e for e in self.rollouts if e.reward is not None and math.isfinite(e.reward)]
         return rewarded if len({e.reward for e in rewarded}) > 1 else []
+
+
+def sample_prompt(record: dict[str, Any]) -> str | None:
+    """What a rollout's sample asks: its first call's first user message, else the text of its
+    first prompt (a text prompt, or token ids decoded by token2text). None when unknown."""
+    calls = record.get("calls")
+    first = as_dict(calls[0]) if isinstance(calls, list) and calls else {}
+    prompt = as_dict(first.get("prompt"))
+    messages = prompt.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict) and message.get("role") == "user":
+                text = _message_text(message.get("content"))
+                if text:
+                    return text
+    for text in (prompt.get("text"), first.get("prompt_text")):
+        if isinstance(text, str) and text.strip():
+            return text
+    return None
+
+
+def _message_text(content: Any) -> str | None:
+    """A message's text: a string, or the text parts of a list of parts, joined."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [p.get("text") for p in content if isinstance(p, dict)]
+        return "\n".join(t for t in parts if isinstance(t, str)) or None
+    return None
 
 
 def rollout_order(entry: Entry) -> tuple[int, int, float]:
