@@ -250,3 +250,45 @@ async def test_a_group_says_what_its_sample_asks(tmp_path: Path) -> None:
     full = re.findall(r'<div class="full-prompt">(.*?)</div>', page, re.S)
     assert full[0] == html.escape(question) and full[1] == "Two plus two is"
     assert page.count('class="group"') == 3  # the third, with no prompt known, has no line
+
+
+async def test_a_tool_call_with_its_span_is_shown_once_with_its_result(tmp_path: Path) -> None:
+    """A chat tool call that became a tool span is shown as the span (name, arguments,
+    result), not a second time among the response's tool calls; one no span answered is."""
+    directory = run_dir(tmp_path)
+    asked = {
+        "id": "call-1",
+        "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+    }
+    unanswered = {
+        "id": "call-2",
+        "type": "function",
+        "function": {"name": "calculator", "arguments": '{"expression": "1+1"}'},
+    }
+    first, second = call(0, "", tool_calls=[asked, unanswered]), call(1, "Sunny, 18 C")
+    first["outputs"][0]["text"] = None
+    tools = [{"index": 0, "kind": "tool", "observed": "chat_tool_calls", "start": 100.5,
+              "end": 101.0, "name": "get_weather", "call_id": "call-1",
+              "arguments": '{"city": "Paris"}', "result": '{"temp_c": 18}', "requested_by": 0,
+              "error": None}]  # fmt: skip
+    record = trajectory(step=1, calls=[first, second], tools=tools, ident="a" * 32)
+    sibling = trajectory(step=1, rollout=1, calls=[first, call(1, "Rainy")], tools=tools)
+    append(step_file(directory, 1), record, sibling)
+    client = TestClient(TestServer(Viewer(StoreIndex([tmp_path], min_interval=0)).app()))
+    await client.start_server()
+    try:
+        pages = [
+            await (await client.get(f"/run/0/proj/exp/t/{record['id']}")).text(),
+            await (await client.get(
+                f"/run/0/proj/exp/compare?id={record['id']}&id={sibling['id']}")).text(),
+        ]  # fmt: skip
+    finally:
+        await client.close()
+    for page, rollouts in zip(pages, (1, 2), strict=True):
+        calls_shown = re.findall(r'<div class="toolcall">.*?</div>', page, re.S)
+        spans = re.findall(r'<div class="toolspan">.*?</pre>\s*</div>', page, re.S)
+        assert not [c for c in calls_shown if "get_weather" in c]  # shown as its span only
+        assert len([c for c in calls_shown if "calculator" in c]) == rollouts  # no span: shown
+        assert len(spans) == rollouts
+        assert all("get_weather" in s and "temp_c" in s and "Paris" in s for s in spans)

@@ -64,6 +64,12 @@ class Turn:
     unparsed: str | None
 
     @property
+    def spanned_ids(self) -> set[str]:
+        """Ids of the tool calls shown as tool spans (with their results): a page shows such a
+        call once, as its span, not again among the output's tool calls."""
+        return {str(t["call_id"]) for t in self.tools if t.get("call_id") is not None}
+
+    @property
     def response(self) -> str:
         """The first output as one text: its decoded response, else its text and tool calls."""
         if not self.outputs:
