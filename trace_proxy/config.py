@@ -23,6 +23,9 @@ from typing import Any
 
 import yaml
 
+from trace_proxy.trajectories.keys import parse_mapping
+from trace_proxy.trajectories.toolparsers import get_parser
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -180,8 +183,6 @@ def parse_tool_route(value: Any) -> str:
 
 
 def _tool_parser(value: Any) -> str:
-    from trace_proxy.trajectories.toolparsers import get_parser
-
     name = parse_str(value)
     get_parser(name)
     return name
@@ -274,8 +275,6 @@ def _backends(value: Any) -> str:
 
 
 def _mapping(value: Any) -> str:
-    from trace_proxy.trajectories.keys import parse_mapping
-
     text = parse_str(value)
     parse_mapping(text)  # validate now; the capture stage parses it again when it starts
     return text
