@@ -1,0 +1,122 @@
+"""Which recorded trajectories to replay: by record id, or a step's, from one run of a store.
+
+The store is read the one way `show` and the viewer read it (`store/readers.py`): runs found by
+listing, replicas' runs taken as one, only complete records. A run is named by its project and
+experiment, as the viewer shows them (`PROJECT/EXPERIMENT`, or the experiment alone when that
+is unambiguous); nothing given on the command line becomes a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trace_proxy.store.readers import directory_value, run_records, runs
+from trace_proxy.store.replicas import store_roots
+
+NAME_LIMIT = 2048  # bytes of a directory's name file read: a value is at most 256 characters
+
+
+class ReplayError(Exception):
+    """What the user asked cannot be done; the message says why in one line."""
+
+
+@dataclass
+class RecordedRun:
+    """One run of the store: its names, its directories (one per replica), its trajectories."""
+
+    project: str
+    experiment: str
+    directories: list[Path]
+    trajectories: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.project}/{self.experiment}"
+
+
+def recorded_runs(store: Path) -> list[RecordedRun]:
+    """Every run of the store at `store` (its replicas' read as one), records not yet read."""
+    if not store.is_dir():
+        raise ReplayError(f"no store at {store}: not a directory")
+    found = []
+    for _, directories in sorted(runs(store_roots(store)).items()):
+        project = directory_value(directories[0].parent, NAME_LIMIT)
+        experiment = directory_value(directories[0], NAME_LIMIT)
+        found.append(RecordedRun(project, experiment, directories))
+    if not found:
+        raise ReplayError(f"no runs in the store at {store}")
+    return found
+
+
+def read_trajectories(run: RecordedRun) -> None:
+    """The run's trajectory records, in its files' order."""
+    run.trajectories = [
+        record
+        for directory in run.directories
+        for _, record in run_records(directory)
+        if record.get("record") == "trajectory"
+    ]
+
+
+def select(
+    store: Path,
+    *,
+    run_name: str | None,
+    trajectory_ids: Sequence[str],
+    step: int | None,
+    validation: bool = False,
+) -> tuple[RecordedRun, list[dict[str, Any]]]:
+    """The run and the trajectories to replay: those whose record id (or key's trajectory id)
+    is given, or every trajectory of `step` (its validation ones with `validation`)."""
+    if bool(trajectory_ids) == (step is not None):
+        raise ReplayError("name what to replay: --trajectory ID (repeatable) or --step N")
+    candidates = recorded_runs(store)
+    if run_name is not None:
+        candidates = [r for r in candidates if run_name in (r.name, r.experiment)]
+        if not candidates:
+            raise ReplayError(f"no run {run_name!r} in the store at {store}")
+    if len(candidates) > 1 and (step is not None or run_name is not None):
+        raise ReplayError(_several(candidates))
+    chosen: list[tuple[RecordedRun, list[dict[str, Any]]]] = []
+    for run in candidates:
+        read_trajectories(run)
+        if step is not None:
+            picked = [t for t in run.trajectories if _in_step(t, step, validation)]
+        else:
+            picked = [t for t in run.trajectories if _named(t, trajectory_ids)]
+        if picked:
+            chosen.append((run, picked))
+    if step is not None and not chosen:
+        kind = "validation trajectories" if validation else "trajectories"
+        raise ReplayError(f"no {kind} of step {step} in {candidates[0].name}")
+    if not chosen:
+        raise ReplayError(f"no trajectory {', '.join(trajectory_ids)} in the store at {store}")
+    if len(chosen) > 1:
+        raise ReplayError(_several([run for run, _ in chosen]))
+    run, picked = chosen[0]
+    missing = [i for i in trajectory_ids if not any(_named(t, [i]) for t in picked)]
+    if missing:
+        raise ReplayError(f"no trajectory {', '.join(missing)} in {run.name}")
+    return run, picked
+
+
+def _key(record: dict[str, Any]) -> dict[str, Any]:
+    key = record.get("key")
+    return key if isinstance(key, dict) else {}
+
+
+def _in_step(record: dict[str, Any], step: int, validation: bool) -> bool:
+    key = _key(record)
+    return key.get("step") == step and bool(key.get("validate")) == validation
+
+
+def _named(record: dict[str, Any], ids: Sequence[str]) -> bool:
+    return record.get("id") in ids or _key(record).get("trajectory_id") in ids
+
+
+def _several(found: Sequence[RecordedRun]) -> str:
+    names = ", ".join(run.name for run in found[:10])
+    return f"the store holds several runs ({names}): name one with --run PROJECT/EXPERIMENT"
