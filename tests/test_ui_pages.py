@@ -292,3 +292,46 @@ async def test_a_tool_call_with_its_span_is_shown_once_with_its_result(tmp_path:
         assert len([c for c in calls_shown if "calculator" in c]) == rollouts  # no span: shown
         assert len(spans) == rollouts
         assert all("get_weather" in s and "temp_c" in s and "Paris" in s for s in spans)
+
+
+async def test_a_replayed_trajectory_is_compared_with_the_recorded(tmp_path: Path) -> None:
+    """`trace-proxy replay`'s trajectories name the recorded one in their labels: its page
+    links to it and to a compare page with both side by side, the recorded first, the first
+    divergence marked; labels that name nothing served give no link, and are never a path."""
+    store = tmp_path / "store"
+    recorded = trajectory(ident="r" * 32, calls=[call(0, "Paris."), call(1, "Done.")])
+    append(step_file(run_dir(store, "proj", "exp"), 1), recorded)
+    labels = {"replay_of": recorded["id"], "replay_of_project": "proj",
+              "replay_of_experiment": "exp"}  # fmt: skip
+    replayed = trajectory(ident="n" * 32, experiment="exp-replay", labels=labels,
+                          calls=[call(0, "Paris."), call(1, "Lyon, then done.")])  # fmt: skip
+    stray = trajectory(ident="s" * 32, experiment="exp-replay", sample=1, labels={
+        **labels, "replay_of_experiment": "../../../etc"})  # fmt: skip
+    append(step_file(run_dir(store, "proj", "exp-replay"), 1), replayed, stray)
+    viewer = Viewer(StoreIndex([store], min_interval=0))
+    async with TestClient(TestServer(viewer.app())) as client:
+        page = await (await client.get(f"/run/0/proj/exp-replay/t/{replayed['id']}")).text()
+        link = re.findall(r'id="compare-recorded" href="([^"]+)"', page)
+        assert re.findall(r'id="recorded-link" href="([^"]+)"', page) == [
+            f"/run/0/proj/exp/t/{recorded['id']}"
+        ]
+        compare = await client.get(html.unescape(link[0]))
+        assert compare.status == 200
+        text = await compare.text()
+        heads = re.findall(r'class="traj-link" href="([^"]+)"', text)
+        assert heads == [f"/run/0/proj/exp/t/{recorded['id']}",
+                         f"/run/0/proj/exp-replay/t/{replayed['id']}"]  # fmt: skip
+        assert '<div class="tag recorded">recorded</div>' in text
+        assert 'id="first-divergence"' in text and "turn 2" in text
+        assert "Lyon, then done." in text and "Done." in text
+
+        for trajectory_id in (recorded["id"], stray["id"]):
+            run = "exp" if trajectory_id == recorded["id"] else "exp-replay"
+            page = await (await client.get(f"/run/0/proj/{run}/t/{trajectory_id}")).text()
+            assert 'id="compare-recorded"' not in page
+            missing = await client.get(f"/run/0/proj/{run}/compare?id={trajectory_id}&recorded=1")
+            assert missing.status == 404
+        two = await client.get(
+            f"/run/0/proj/exp-replay/compare?id={replayed['id']}&id={stray['id']}&recorded=1"
+        )
+        assert two.status == 400

@@ -278,11 +278,28 @@ class Viewer:
             )  # fmt: skip
         record = joined(await asyncio.to_thread(self._read_parts, entry))
         view = views.trajectory_view(record, self.piece)
+        with self.index.lock:
+            recorded = self._recorded_of(run, record)
         return self._render(
             "trajectory.html", run=run, entry=entry, t=view, siblings=siblings,
-            transcript=transcript_of(record),
+            transcript=transcript_of(record), recorded=recorded,
             key=(entry.validate, entry.step), timeline=_timeline(view),
         )  # fmt: skip
+
+    def _recorded_of(self, run: Run, record: dict[str, Any]) -> tuple[Run, Entry] | None:
+        """The recorded trajectory a replayed one replays (`trace-proxy replay`'s labels name
+        its record id, project and experiment), looked up among the runs the index found,
+        in the replay's own store first; None when it is not served."""
+        labels = record.get("labels")
+        if not isinstance(labels, dict) or not isinstance(labels.get("replay_of"), str):
+            return None
+        names = (labels.get("replay_of_project"), labels.get("replay_of_experiment"))
+        found = [r for r in self.index.runs.values() if (r.project, r.experiment) == names]
+        for other in sorted(found, key=lambda r: (r.store != run.store, r.ref)):
+            entry = other.by_id.get(labels["replay_of"])
+            if entry is not None:
+                return other, entry
+        return None
 
     async def by_query(self, request: web.Request) -> web.Response:
         """A trajectory whose id cannot be a path segment: `?id=` (and `raw=1`)."""
@@ -299,22 +316,44 @@ class Viewer:
         return web.Response(body=body, content_type="application/json")
 
     async def compare_page(self, request: web.Request) -> web.Response:
+        """Rollouts of one run side by side (`?id=…&id=…`), or a replayed trajectory beside the
+        recorded one it replays (`?id=…&recorded=1`), the first divergence marked."""
         await self._refreshed()
         ids = request.query.getall("id", [])
         with self.index.lock:
             run = self._run(request)
             entries = [run.by_id[i] for i in dict.fromkeys(ids) if i in run.by_id]
+        if request.query.get("recorded"):
+            return await self._compare_recorded(run, entries)
         if len(entries) < 2:
             raise web.HTTPBadRequest(text="name two or more trajectories of this run: ?id=…&id=…\n")
         entries = entries[:MAX_COMPARED]
+        return await self._compare([(run, e, None) for e in entries], run)
+
+    async def _compare_recorded(self, run: Run, entries: list[Entry]) -> web.Response:
+        if len(entries) != 1:
+            raise web.HTTPBadRequest(text="name one replayed trajectory of this run: ?id=…\n")
+        record = await asyncio.to_thread(self.index.read_record, entries[0])
+        with self.index.lock:
+            recorded = self._recorded_of(run, record)
+        if recorded is None:
+            raise web.HTTPNotFound(text="this is no replay of a trajectory the viewer serves\n")
+        columns = [(*recorded, "recorded"), (run, entries[0], "replayed")]
+        return await self._compare(columns, run)
+
+    async def _compare(
+        self, columns: Sequence[tuple[Run, Entry, str | None]], run: Run
+    ) -> web.Response:
+        """Each column's trajectory (its run, its entry, what it is) turn by turn."""
+        entries = [entry for _, entry, _ in columns]
         records = await asyncio.to_thread(lambda: [self.index.read_record(e) for e in entries])
         trajectories = [views.trajectory_view(r, self.piece) for r in records]
         divergence = views.first_divergence(trajectories)
         rows = max(len(t.turns) for t in trajectories)
         return self._render(
-            "compare.html", run=run, entries=entries, trajectories=trajectories,
+            "compare.html", run=run, columns=columns, trajectories=trajectories,
             divergence=divergence, rows=rows, split_at=views.split_at,
-            key=(entries[0].validate, entries[0].step),
+            key=(entries[-1].validate, entries[-1].step),
         )  # fmt: skip
 
     async def generation(self, request: web.Request) -> web.Response:
