@@ -15,8 +15,9 @@ from typing import Any
 import aiohttp
 import orjson
 import pytest
+from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
-from proxy_helpers import closed_port, running_proxy, trajectories
+from proxy_helpers import closed_port, running_proxy, scripted_upstream, trajectories
 from ui_records import append, call, run_dir, step_file, trajectory
 
 from trace_proxy.cli import main
@@ -233,3 +234,28 @@ def test_the_command_line_refuses_with_one_line_and_exit_2(tmp_path: Path) -> No
         assert done.returncode == 2, done.stderr
         assert message in done.stderr and len(done.stderr.splitlines()) == 1, done.stderr
         assert "sk-never-shown" not in done.stderr + done.stdout
+
+
+async def test_a_failed_call_is_named_with_its_reason_and_recorded(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    store = tmp_path / "store"
+    original = trajectory(ident="f" * 32)
+    append(step_file(run_dir(store), 1), original)
+
+    async def overloaded(request: web.Request) -> web.Response:
+        if request.path == "/health":
+            return web.Response(text="ok")
+        return web.json_response({"error": {"message": "overloaded"}}, status=503)
+
+    async with scripted_upstream(overloaded) as url:
+        argv = ["replay", str(store), "--upstream", url, "--trajectory", original["id"]]
+        assert await asyncio.to_thread(main, argv) == 1
+    out = capsys.readouterr().out
+    assert "1 calls sent, 1 failed" in out
+    assert f"failed: trajectory {original['id']} call 0: HTTP 503: " in out and "overloaded" in out
+    [new] = [
+        t for t in trajectories(store) if (t["labels"] or {}).get("replay_of") == original["id"]
+    ]
+    assert new["key"]["experiment"].startswith("exp-replay-")
+    assert new["calls"][0]["error"]["type"] == "http_503"

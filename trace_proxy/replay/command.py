@@ -92,7 +92,8 @@ def add_replay_command(commands: Any) -> None:
 
 
 def run_replay_command(args: dict[str, Any]) -> int:
-    """Check the options, replay, print the summary; 2 for what the user must fix."""
+    """Check the options, replay, print the summary. Exit code 2 for what the user must fix,
+    1 when a call failed (or records could not be written), else 0."""
     from trace_proxy.config import ConfigError
     from trace_proxy.replay.selection import ReplayError, select
     from trace_proxy.replay.session import ReplayPlan, replay
@@ -115,7 +116,7 @@ def run_replay_command(args: dict[str, Any]) -> int:
         print(f"trace-proxy: error: {exc}", file=sys.stderr)
         return 2
     print_report(report, run.name, len(trajectories))
-    return 1 if report.failed and not report.sent else 0
+    return 1 if report.failed or report.left_in_spool else 0
 
 
 def _checked(args: dict[str, Any]) -> dict[str, Any]:

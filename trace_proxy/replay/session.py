@@ -125,10 +125,10 @@ async def replay(
                 await sender.trajectories(step)
     finally:
         await service.stop()
-    if service.backlog and any(service.backlog.values()):
-        report.left_in_spool = spool
-    else:
-        shutil.rmtree(spool, ignore_errors=True)
+        if service.backlog and any(service.backlog.values()):
+            report.left_in_spool = spool  # records not written yet: kept, and said where
+        else:
+            shutil.rmtree(spool, ignore_errors=True)
     report.trajectories, report.directory = _written(plan.output, run.project, plan.experiment)
     return report
 
