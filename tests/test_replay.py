@@ -191,9 +191,13 @@ def test_selection_names_what_is_missing(tmp_path: Path) -> None:
     store = tmp_path / "store"
     first = trajectory(ident="a" * 32)
     append(step_file(run_dir(store, "proj", "exp"), 1), first)
-    append(step_file(run_dir(store, "proj", "other"), 1), trajectory(ident="b" * 32))
+    replayed = trajectory(ident="b" * 32, experiment="other")
+    replayed["key"]["trajectory_id"] = first["id"]  # a replay's: its recorded record's id
+    append(step_file(run_dir(store, "proj", "other"), 1), replayed)
     run, picked = select(store, run_name=None, trajectory_ids=["a" * 32], step=None)
     assert (run.name, [t["id"] for t in picked]) == ("proj/exp", [first["id"]])
+    run, picked = select(store, run_name="other", trajectory_ids=["a" * 32], step=None)
+    assert (run.name, [t["id"] for t in picked]) == ("proj/other", [replayed["id"]])
     cases = {
         "no trajectory nope in the store": dict(run_name=None, trajectory_ids=["nope"], step=None),
         "the store holds several runs (proj/exp, proj/other)": dict(

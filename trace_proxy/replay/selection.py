@@ -80,13 +80,18 @@ def select(
             raise ReplayError(f"no run {run_name!r} in the store at {store}")
     if len(candidates) > 1 and (step is not None or run_name is not None):
         raise ReplayError(_several(candidates))
-    chosen: list[tuple[RecordedRun, list[dict[str, Any]]]] = []
     for run in candidates:
         read_trajectories(run)
+    # A record id names one record; a trajectory id only when no record has that id (a
+    # replayed trajectory's id is its recorded one's record id).
+    record_ids = {t.get("id") for run in candidates for t in run.trajectories}
+    names = {i: "id" if i in record_ids else "key" for i in trajectory_ids}
+    chosen: list[tuple[RecordedRun, list[dict[str, Any]]]] = []
+    for run in candidates:
         if step is not None:
             picked = [t for t in run.trajectories if _in_step(t, step, validation)]
         else:
-            picked = [t for t in run.trajectories if _named(t, trajectory_ids)]
+            picked = [t for t in run.trajectories if _named(t, names)]
         if picked:
             chosen.append((run, picked))
     if step is not None and not chosen:
@@ -97,7 +102,7 @@ def select(
     if len(chosen) > 1:
         raise ReplayError(_several([run for run, _ in chosen]))
     run, picked = chosen[0]
-    missing = [i for i in trajectory_ids if not any(_named(t, [i]) for t in picked)]
+    missing = [i for i in trajectory_ids if not any(_named(t, {i: names[i]}) for t in picked)]
     if missing:
         raise ReplayError(f"no trajectory {', '.join(missing)} in {run.name}")
     return run, picked
@@ -113,8 +118,11 @@ def _in_step(record: dict[str, Any], step: int, validation: bool) -> bool:
     return key.get("step") == step and bool(key.get("validate")) == validation
 
 
-def _named(record: dict[str, Any], ids: Sequence[str]) -> bool:
-    return record.get("id") in ids or _key(record).get("trajectory_id") in ids
+def _named(record: dict[str, Any], names: dict[str, str]) -> bool:
+    """Whether `record` is one of `names`: each a record id ("id") or a trajectory id."""
+    record_id, trajectory_id = record.get("id"), _key(record).get("trajectory_id")
+    by_id = isinstance(record_id, str) and names.get(record_id) == "id"
+    return by_id or (isinstance(trajectory_id, str) and names.get(trajectory_id) == "key")
 
 
 def _several(found: Sequence[RecordedRun]) -> str:
