@@ -263,3 +263,28 @@ async def test_a_failed_call_is_named_with_its_reason_and_recorded(
     ]
     assert new["key"]["experiment"].startswith("exp-replay-")
     assert new["calls"][0]["error"]["type"] == "http_503"
+
+
+async def test_a_request_field_the_record_does_not_keep_is_named_and_can_be_given(
+    qwen_tokenizer: Any, start_fake: StartFake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`return_token_ids` is no sampling parameter and the record does not keep it: replayed
+    without it, the answers lack the token ids the recorded ones had, and the summary says
+    which option sends it; with `--body-field` the request is the recorded one again."""
+    store = tmp_path / "store"
+    fake = FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True)
+    url = await start_fake(fake)
+    chat = {"model": "tiny-qwen", "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 8, "return_token_ids": True, "stream": False}  # fmt: skip
+    async with running_proxy([url], store) as (_, proxy), aiohttp.ClientSession() as http:
+        await post(http, proxy + "/v1/chat/completions", chat, key_headers(1, 0, 0, "t"))
+    recorded = generate_bodies(fake)
+    for given, missing in (([], 1), (["--body-field", "return_token_ids=true"], 0)):
+        del fake.requests[:]
+        argv = ["replay", str(store), "--upstream", url, "--trajectory", "t", "--run",
+                "grpo", "--experiment", f"again-{missing}", *given]  # fmt: skip
+        assert await asyncio.to_thread(main, argv) == 0
+        out = capsys.readouterr().out
+        hint = "1 replayed calls came back without the token ids their recorded call had"
+        assert (hint in out) == bool(missing), out
+        assert (generate_bodies(fake) == recorded) == (not missing)

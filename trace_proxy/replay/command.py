@@ -192,6 +192,10 @@ def print_report(report: Any, recorded: str, selected: int) -> None:
             print(f"  ... and {len(items) - MAX_SHOWN} more {kind}")
     name = f"{report.project}/{report.experiment}"
     print(f"New run {name}: {report.trajectories} trajectories written to {report.output}")
+    if report.token_ids_missing:
+        print(f"  {report.token_ids_missing} replayed calls came back without the token ids "
+              "their recorded call had: the record does not keep `return_token_ids`; send it "
+              "with --body-field return_token_ids=true")  # fmt: skip
     if report.left_in_spool is not None:
         print(f"  records not yet written wait in {report.left_in_spool}")
     if report.directory is not None:

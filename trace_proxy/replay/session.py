@@ -76,6 +76,7 @@ class ReplayReport:
     skipped: list[Failure] = field(default_factory=list)
     trajectories: int = 0  # replayed trajectories the store holds now
     directory: Path | None = None  # the new run's directory
+    token_ids_missing: int = 0  # replayed calls without the token ids their recorded one had
     left_in_spool: Path | None = None  # records not written, kept where they wait
 
 
@@ -129,22 +130,41 @@ async def replay(
             report.left_in_spool = spool  # records not written yet: kept, and said where
         else:
             shutil.rmtree(spool, ignore_errors=True)
-    report.trajectories, report.directory = _written(plan.output, run.project, plan.experiment)
+    _read_back(report, trajectories)
     return report
 
 
-def _written(output: Path, project: str, experiment: str) -> tuple[int, Path | None]:
-    """How many replayed trajectories the new run holds, and its directory."""
+def _read_back(report: ReplayReport, recorded: Sequence[dict[str, Any]]) -> None:
+    """What the new run holds: its replayed trajectories, its directory, and how many of their
+    calls came back without the token ids the recorded call had (its request asked for them
+    with a field the record does not keep, `return_token_ids`)."""
     try:
-        found = recorded_runs(output)
+        found = recorded_runs(report.output)
     except ReplayError:  # nothing written at all
-        return 0, None
+        return
+    originals = {record.get("id"): record for record in recorded}
     for run in found:
-        if (run.project, run.experiment) == (project, experiment):
-            read_trajectories(run)
-            replayed = [t for t in run.trajectories if "replay_of" in (t.get("labels") or {})]
-            return len(replayed), run.directories[0]
-    return 0, None
+        if (run.project, run.experiment) != (report.project, report.experiment):
+            continue
+        read_trajectories(run)
+        report.directory = run.directories[0]
+        for replayed in run.trajectories:
+            original = originals.get((replayed.get("labels") or {}).get("replay_of"))
+            if original is None:
+                continue
+            report.trajectories += 1
+            calls, again = original.get("calls") or [], replayed.get("calls") or []
+            if len(calls) == len(again):  # call for call (none left out as not replayable)
+                report.token_ids_missing += sum(
+                    _has_token_ids(old) and not _has_token_ids(new)
+                    for old, new in zip(calls, again, strict=True)
+                )
+
+
+def _has_token_ids(call: Any) -> bool:
+    outputs = call.get("outputs") if isinstance(call, dict) else None
+    first = outputs[0] if isinstance(outputs, list) and outputs else None
+    return isinstance(first, dict) and bool(first.get("token_ids"))
 
 
 def _by_step(trajectories: Sequence[dict[str, Any]]) -> list[list[dict[str, Any]]]:
