@@ -297,7 +297,8 @@ async def test_a_tool_call_with_its_span_is_shown_once_with_its_result(tmp_path:
 async def test_a_replayed_trajectory_is_compared_with_the_recorded(tmp_path: Path) -> None:
     """`trace-proxy replay`'s trajectories name the recorded one in their labels: its page
     links to it and to a compare page with both side by side, the recorded first, the first
-    divergence marked; labels that name nothing served give no link, and are never a path."""
+    divergence marked, and the recorded one's page links back; labels that name nothing
+    served give no link, and are never a path."""
     store = tmp_path / "store"
     recorded = trajectory(ident="r" * 32, calls=[call(0, "Paris."), call(1, "Done.")])
     append(step_file(run_dir(store, "proj", "exp"), 1), recorded)
@@ -324,6 +325,12 @@ async def test_a_replayed_trajectory_is_compared_with_the_recorded(tmp_path: Pat
         assert '<div class="tag recorded">recorded</div>' in text
         assert 'id="first-divergence"' in text and "turn 2" in text
         assert "Lyon, then done." in text and "Done." in text
+
+        page = await (await client.get(f"/run/0/proj/exp/t/{recorded['id']}")).text()
+        assert re.findall(r'class="compare-replay" href="([^"]+)"', page) == [link[0]]
+        assert re.findall(r'class="replay-link" href="([^"]+)"', page) == [
+            f"/run/0/proj/exp-replay/t/{replayed['id']}"
+        ]
 
         for trajectory_id in (recorded["id"], stray["id"]):
             run = "exp" if trajectory_id == recorded["id"] else "exp-replay"

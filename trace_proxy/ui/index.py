@@ -35,6 +35,7 @@ from trace_proxy.store.replicas import merged_summary, store_roots
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index
 NAME_CAP = 256
+REPLAY_LABELS = ("replay_of", "replay_of_project", "replay_of_experiment")  # trace-proxy replay's
 
 
 @dataclass(slots=True)
@@ -162,6 +163,9 @@ class Run:
     # (validate, step, trajectory id, part) -> its first entry and the directories that wrote it
     by_trajectory: dict[tuple[Any, ...], tuple[Entry, set[Path]]] = field(default_factory=dict)
     pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # notes, by target
+    # `trace-proxy replay`'s trajectories of this run, by what each replays: (record id,
+    # project, experiment), as their labels name it
+    replays: dict[tuple[str, str, str], list[str]] = field(default_factory=dict)
     events: list[dict[str, Any]] = field(default_factory=list)
     unreadable: int = 0  # lines that are not a JSON object
     calls: int = 0
@@ -180,7 +184,7 @@ class Run:
     def clear(self) -> None:
         """Forget everything read (its files are read again from their start)."""
         self.files, self.steps, self.by_id, self.pending, self.events = {}, {}, {}, {}, []
-        self.by_trajectory = {}
+        self.by_trajectory, self.replays = {}, {}
         self.unreadable = self.calls = self.prompt_tokens = self.completion_tokens = 0
         self.errors = 0
 
@@ -308,6 +312,17 @@ class StoreIndex:
     def run(self, ref: tuple[int, str, str]) -> Run | None:
         return self.runs.get(ref)
 
+    def replays_of(self, run: Run, entry: Entry) -> list[tuple[Run, Entry]]:
+        """The trajectories `trace-proxy replay` recorded of `run`'s `entry`, in every run
+        indexed."""
+        of = (entry.id, run.project, run.experiment)
+        return [
+            (other, other.by_id[ident])
+            for _, other in sorted(self.runs.items())
+            for ident in other.replays.get(of, [])
+            if ident in other.by_id
+        ]
+
     def read_line(self, entry: Entry) -> bytes:
         """The stored line of `entry`, read again from its file."""
         with open_no_link(self.files[entry.file]) as handle:
@@ -426,6 +441,11 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
         directories.add(directory)
     run.by_id[entry.id] = entry
     step.entries.append(entry)
+    labels = as_dict(record.get("labels"))
+    of = [labels.get(name) for name in REPLAY_LABELS]
+    if all(isinstance(value, str) for value in of):
+        record_id, project, experiment = (str(value)[:NAME_CAP] for value in of)
+        run.replays.setdefault((record_id, project, experiment), []).append(entry.id)
     for note in run.pending.pop(entry.id, []):
         _annotate(entry, note)
     step.stats.add(entry)

@@ -35,6 +35,7 @@ from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
 GROUPS_PER_PAGE = 50
 DASH = "\u2013"  # shown for a missing value
 MAX_COMPARED = 8
+MAX_REPLAYS = 20  # replays of a trajectory linked from its page
 STATIC = {  # every file the viewer serves besides its pages: fixed names, no path from a URL
     "viewer.css": "text/css",
     "viewer.js": "text/javascript",
@@ -280,9 +281,10 @@ class Viewer:
         view = views.trajectory_view(record, self.piece)
         with self.index.lock:
             recorded = self._recorded_of(run, record)
+            replays = self.index.replays_of(run, entry)[:MAX_REPLAYS]
         return self._render(
             "trajectory.html", run=run, entry=entry, t=view, siblings=siblings,
-            transcript=transcript_of(record), recorded=recorded,
+            transcript=transcript_of(record), recorded=recorded, replays=replays,
             key=(entry.validate, entry.step), timeline=_timeline(view),
         )  # fmt: skip
 
