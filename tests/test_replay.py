@@ -102,8 +102,13 @@ def generate_bodies(fake: FakeVLLM | FakeSGLang) -> list[Json]:
 
 
 def canonical(bodies: list[Json]) -> list[bytes]:
-    """Bodies as JSON values, in any order (trajectories are replayed side by side)."""
-    return sorted(orjson.dumps(body, option=orjson.OPT_SORT_KEYS) for body in bodies)
+    """Bodies as JSON values, in any order (trajectories are replayed side by side); a
+    `stream` of false is the default, as good as none."""
+    return sorted(
+        orjson.dumps({k: v for k, v in body.items() if (k, v) != ("stream", False)},
+                     option=orjson.OPT_SORT_KEYS)
+        for body in bodies
+    )  # fmt: skip
 
 
 def by_replay_of(store: Path, experiment: str) -> dict[str, Json]:
@@ -180,7 +185,7 @@ def test_a_call_whose_request_was_not_recorded_is_named_not_sent() -> None:
     record = trajectory(calls=[call(0, "fine"), unparsed])
     rebuilt = replay_calls(record, extra={"return_token_ids": True})
     assert isinstance(rebuilt[0], ReplayCall)
-    assert rebuilt[0].body == {"model": "m", "prompt": [1, 2, 3, 4, 5], "stream": False,
+    assert rebuilt[0].body == {"model": "m", "prompt": [1, 2, 3, 4, 5],
                                "return_token_ids": True}  # fmt: skip
     assert rebuilt[1] == NotReplayable(
         1, "no messages recorded: request is not JSON: unexpected character"
@@ -287,4 +292,36 @@ async def test_a_request_field_the_record_does_not_keep_is_named_and_can_be_give
         out = capsys.readouterr().out
         hint = "1 replayed calls came back without the token ids their recorded call had"
         assert (hint in out) == bool(missing), out
-        assert (generate_bodies(fake) == recorded) == (not missing)
+        assert (canonical(generate_bodies(fake)) == canonical(recorded)) == (not missing)
+
+
+async def test_the_demo_agents_openai_sdk_conversations_are_sent_again_exactly(
+    qwen_tokenizer: Any, start_fake: StartFake, tmp_path: Path
+) -> None:
+    """The demo's tool-calling agent (the OpenAI SDK, replies sent back as the SDK builds them,
+    tool results, streamed and whole turns): every turn's request is sent again as it was, so
+    prefix sharing undone gives back each conversation exactly."""
+    from openai import AsyncOpenAI
+
+    from trace_proxy.demo.run import rollout
+
+    store = tmp_path / "store"
+    fake = FakeVLLM(qwen_tokenizer, model="qwen-sim", deterministic=True)
+    url = await start_fake(fake)
+    async with running_proxy([url], store) as (_, proxy):
+        client = AsyncOpenAI(base_url=proxy + "/v1", api_key="never-recorded")
+        turns = await asyncio.gather(*(
+            rollout(client, "qwen-sim", 1, sample, 0, stream=sample % 2 == 1)
+            for sample in range(4)
+        ))  # fmt: skip
+        await client.close()
+    assert sum(t for t, _ in turns) > 4  # multi-turn: tools were called
+    recorded = generate_bodies(fake)
+    del fake.requests[:]
+    run, picked = select(store, run_name=None, trajectory_ids=[], step=1)
+    plan = ReplayPlan(upstream=url, output=store, experiment="again",
+                      extra={"return_token_ids": True})  # fmt: skip
+    report = await replay(run, picked, plan)
+    assert (report.sent, report.failed, report.trajectories) == (len(recorded), [], 4)
+    assert canonical(generate_bodies(fake)) == canonical(recorded)
+    assert report.token_ids_missing == 0

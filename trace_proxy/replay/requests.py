@@ -79,7 +79,8 @@ def _request(
     named = model or call.get("model")
     if isinstance(named, str) and (dialect in MODEL_DIALECTS or call.get("model") is not None):
         body = {"model": named, **body}
-    body["stream"] = stream
+    if stream:  # false is every dialect's default, and what a request without it meant
+        body["stream"] = True
     body.update(extra)
     return ReplayCall(index, route, body, stream)
 
