@@ -115,6 +115,10 @@ def run_replay_command(args: dict[str, Any]) -> int:
     except (ReplayError, ConfigError, TokenizerError) as exc:
         print(f"trace-proxy: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the proxy was stopped first: what was answered is recorded
+        print("trace-proxy replay: interrupted; the calls answered so far are recorded",
+              file=sys.stderr)  # fmt: skip
+        return 130
     print_report(report, run.name, len(trajectories))
     return 1 if report.failed or report.left_in_spool else 0
 

@@ -8,8 +8,8 @@ is unambiguous); nothing given on the command line becomes a path.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +25,11 @@ class ReplayError(Exception):
 
 @dataclass
 class RecordedRun:
-    """One run of the store: its names, its directories (one per replica), its trajectories."""
+    """One run of the store: its names and its directories (one per replica)."""
 
     project: str
     experiment: str
     directories: list[Path]
-    trajectories: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def name(self) -> str:
@@ -51,14 +50,12 @@ def recorded_runs(store: Path) -> list[RecordedRun]:
     return found
 
 
-def read_trajectories(run: RecordedRun) -> None:
-    """The run's trajectory records, in its files' order."""
-    run.trajectories = [
-        record
-        for directory in run.directories
-        for _, record in run_records(directory)
-        if record.get("record") == "trajectory"
-    ]
+def trajectory_records(run: RecordedRun) -> Iterator[dict[str, Any]]:
+    """The run's trajectory records, file by file (one file in memory at a time)."""
+    for directory in run.directories:
+        for _, record in run_records(directory):
+            if record.get("record") == "trajectory":
+                yield record
 
 
 def select(
@@ -70,7 +67,8 @@ def select(
     validation: bool = False,
 ) -> tuple[RecordedRun, list[dict[str, Any]]]:
     """The run and the trajectories to replay: those whose record id (or key's trajectory id)
-    is given, or every trajectory of `step` (its validation ones with `validation`)."""
+    is given, or every trajectory of `step` (its validation ones with `validation`). Only
+    those are kept in memory."""
     if bool(trajectory_ids) == (step is not None):
         raise ReplayError("name what to replay: --trajectory ID (repeatable) or --step N")
     candidates = recorded_runs(store)
@@ -80,32 +78,36 @@ def select(
             raise ReplayError(f"no run {run_name!r} in the store at {store}")
     if len(candidates) > 1 and (step is not None or run_name is not None):
         raise ReplayError(_several(candidates))
+    wanted = set(trajectory_ids)
+    by_id: list[tuple[RecordedRun, dict[str, Any]]] = []
+    by_key: list[tuple[RecordedRun, dict[str, Any]]] = []
     for run in candidates:
-        read_trajectories(run)
+        for record in trajectory_records(run):
+            if step is not None:
+                if _in_step(record, step, validation):
+                    by_id.append((run, record))
+            elif record.get("id") in wanted:
+                by_id.append((run, record))
+            elif _key(record).get("trajectory_id") in wanted:
+                by_key.append((run, record))
     # A record id names one record; a trajectory id only when no record has that id (a
     # replayed trajectory's id is its recorded one's record id).
-    record_ids = {t.get("id") for run in candidates for t in run.trajectories}
-    names = {i: "id" if i in record_ids else "key" for i in trajectory_ids}
-    chosen: list[tuple[RecordedRun, list[dict[str, Any]]]] = []
-    for run in candidates:
+    named = {record.get("id") for _, record in by_id}
+    found = by_id + [(r, t) for r, t in by_key if _key(t).get("trajectory_id") not in named]
+    if not found:
         if step is not None:
-            picked = [t for t in run.trajectories if _in_step(t, step, validation)]
-        else:
-            picked = [t for t in run.trajectories if _named(t, names)]
-        if picked:
-            chosen.append((run, picked))
-    if step is not None and not chosen:
-        kind = "validation trajectories" if validation else "trajectories"
-        raise ReplayError(f"no {kind} of step {step} in {candidates[0].name}")
-    if not chosen:
+            kind = "validation trajectories" if validation else "trajectories"
+            raise ReplayError(f"no {kind} of step {step} in {candidates[0].name}")
         raise ReplayError(f"no trajectory {', '.join(trajectory_ids)} in the store at {store}")
-    if len(chosen) > 1:
-        raise ReplayError(_several([run for run, _ in chosen]))
-    run, picked = chosen[0]
-    missing = [i for i in trajectory_ids if not any(_named(t, {i: names[i]}) for t in picked)]
+    runs_found = list({id(run): run for run, _ in found}.values())
+    if len(runs_found) > 1:
+        raise ReplayError(_several(runs_found))
+    picked = [record for _, record in found]
+    seen = named | {_key(t).get("trajectory_id") for t in picked}
+    missing = [i for i in trajectory_ids if i not in seen]
     if missing:
-        raise ReplayError(f"no trajectory {', '.join(missing)} in {run.name}")
-    return run, picked
+        raise ReplayError(f"no trajectory {', '.join(missing)} in {runs_found[0].name}")
+    return runs_found[0], picked
 
 
 def _key(record: dict[str, Any]) -> dict[str, Any]:
@@ -116,13 +118,6 @@ def _key(record: dict[str, Any]) -> dict[str, Any]:
 def _in_step(record: dict[str, Any], step: int, validation: bool) -> bool:
     key = _key(record)
     return key.get("step") == step and bool(key.get("validate")) == validation
-
-
-def _named(record: dict[str, Any], names: dict[str, str]) -> bool:
-    """Whether `record` is one of `names`: each a record id ("id") or a trajectory id."""
-    record_id, trajectory_id = record.get("id"), _key(record).get("trajectory_id")
-    by_id = isinstance(record_id, str) and names.get(record_id) == "id"
-    return by_id or (isinstance(trajectory_id, str) and names.get(trajectory_id) == "key")
 
 
 def _several(found: Sequence[RecordedRun]) -> str:

@@ -36,8 +36,8 @@ from trace_proxy.replay.requests import NotReplayable, ReplayCall, replay_calls
 from trace_proxy.replay.selection import (
     RecordedRun,
     ReplayError,
-    read_trajectories,
     recorded_runs,
+    trajectory_records,
 )
 
 log = logging.getLogger(__name__)
@@ -146,9 +146,8 @@ def _read_back(report: ReplayReport, recorded: Sequence[dict[str, Any]]) -> None
     for run in found:
         if (run.project, run.experiment) != (report.project, report.experiment):
             continue
-        read_trajectories(run)
         report.directory = run.directories[0]
-        for replayed in run.trajectories:
+        for replayed in trajectory_records(run):
             original = originals.get((replayed.get("labels") or {}).get("replay_of"))
             if original is None:
                 continue
