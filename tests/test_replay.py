@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -325,3 +326,39 @@ async def test_the_demo_agents_openai_sdk_conversations_are_sent_again_exactly(
     assert (report.sent, report.failed, report.trajectories) == (len(recorded), [], 4)
     assert canonical(generate_bodies(fake)) == canonical(recorded)
     assert report.token_ids_missing == 0
+
+
+async def test_an_interrupted_replay_stops_its_proxy_and_keeps_what_was_answered(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store"
+    original = trajectory(ident="e" * 32, calls=[call(0, "one"), call(1, "two", prompt_ids=[9])])
+    append(step_file(run_dir(store), 1), original)
+    second_call = asyncio.Event()
+
+    async def answers_once(request: web.Request) -> web.StreamResponse:
+        if request.path == "/health":
+            return web.Response(text="ok")
+        if (await request.json())["prompt"] == original["calls"][0]["prompt"]["token_ids"]:
+            choice = {"index": 0, "text": "uno", "finish_reason": "stop"}
+            return web.json_response({"id": "c", "choices": [choice]})
+        second_call.set()
+        await asyncio.Event().wait()  # never answers: the replay is interrupted meanwhile
+        raise AssertionError("unreachable")
+
+    async with scripted_upstream(answers_once) as url:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "trace_proxy", "replay", str(store), "--upstream", url,
+            "--step", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        )  # fmt: skip
+        await asyncio.wait_for(second_call.wait(), 60)
+        process.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(process.communicate(), 60)
+    assert process.returncode == 130, err
+    assert b"interrupted; the calls answered so far are recorded" in err
+    [new] = [t for t in trajectories(store) if (t["labels"] or {}).get("replay_of")]
+    assert [c["outputs"][0]["text"] if c["outputs"] else None for c in new["calls"]] == [
+        "uno",
+        None,
+    ]
+    assert new["calls"][1]["error"]["type"] == "transport"

@@ -200,14 +200,16 @@ class _Sender:
         async with self.slots:
             headers = {**self.plan.headers, "baggage": self._baggage(record)}
             sent = False
-            for call in replay_calls(record, self.plan.model, self.plan.extra):
-                if isinstance(call, NotReplayable):
-                    self.report.skipped.append(Failure(original, call.index, call.reason))
-                    continue
-                await self._send(original, call, headers)
-                sent = True
-            if sent:
-                await self._close(record)
+            try:
+                for call in replay_calls(record, self.plan.model, self.plan.extra):
+                    if isinstance(call, NotReplayable):
+                        self.report.skipped.append(Failure(original, call.index, call.reason))
+                        continue
+                    sent = True
+                    await self._send(original, call, headers)
+            finally:  # interrupted too: what was recorded of it still says what it replays
+                if sent:
+                    await self._close(record)
 
     def _baggage(self, record: dict[str, Any]) -> str:
         key = record.get("key") or {}
