@@ -154,6 +154,7 @@ async def test_vllm_calls_are_sent_as_recorded_and_land_as_a_new_run(
     out = capsys.readouterr().out
     assert "3 trajectories of default/grpo: 5 calls sent, 0 failed, 0 not replayable" in out
     assert "New run default/grpo-v2: 3 trajectories written" in out
+    assert f"trace-proxy ui {store}  (then /run/0/default/grpo-v2/" in out
 
 
 async def test_sglang_calls_are_sent_as_recorded(
@@ -362,3 +363,25 @@ async def test_an_interrupted_replay_stops_its_proxy_and_keeps_what_was_answered
         None,
     ]
     assert new["calls"][1]["error"]["type"] == "transport"
+
+
+async def test_a_store_of_replicas_gets_a_replica_of_the_replays_own(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Readers take a store that holds replicas as its replicas only: the new run is written
+    as one more, and one viewer over the store sees both runs."""
+    store = tmp_path / "store"
+    original = trajectory(ident="9" * 32)
+    append(step_file(run_dir(store / "replicas" / "node-a"), 1), original)
+
+    async def answers(request: web.Request) -> web.Response:
+        choice = {"index": 0, "text": "again", "finish_reason": "stop"}
+        return web.json_response({"id": "c", "choices": [choice]})
+
+    async with scripted_upstream(answers) as url:
+        argv = ["replay", str(store), "--upstream", url, "--step", "1", "--experiment", "r"]
+        assert await asyncio.to_thread(main, argv) == 0
+    assert f"trace-proxy ui {store}  (then /run/0/proj/r/" in capsys.readouterr().out
+    [new] = trajectories(store / "replicas" / "replay")
+    assert new["labels"]["replay_of"] == original["id"]
+    assert {t["key"]["experiment"] for t in trajectories(store)} == {"exp", "r"}

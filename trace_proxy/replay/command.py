@@ -13,6 +13,7 @@ from urllib.parse import quote
 
 import orjson
 
+from trace_proxy.logtext import printable
 from trace_proxy.store.replicas import REPLICAS, store_roots
 
 HEADER = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\r\n]*)")
@@ -113,13 +114,13 @@ def run_replay_command(args: dict[str, Any]) -> int:
         )
         report = asyncio.run(replay(run, trajectories, plan))
     except (ReplayError, ConfigError, TokenizerError) as exc:
-        print(f"trace-proxy: error: {exc}", file=sys.stderr)
+        print(f"trace-proxy: error: {printable(str(exc))}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # the proxy was stopped first: what was answered is recorded
         print("trace-proxy replay: interrupted; the calls answered so far are recorded",
               file=sys.stderr)  # fmt: skip
         return 130
-    print_report(report, run.name, len(trajectories))
+    print_report(report, Path(args["store"]), run.name, len(trajectories))
     return 1 if report.failed or report.left_in_spool else 0
 
 
@@ -183,18 +184,20 @@ def default_experiment(recorded: str, now: float | None = None) -> str:
     return recorded[: 256 - len(suffix)] + suffix
 
 
-def print_report(report: Any, recorded: str, selected: int) -> None:
+def print_report(report: Any, store: Path, recorded: str, selected: int) -> None:
     """What was sent, what failed and why, what the store holds now, how to look at it."""
     print(
-        f"trace-proxy replay: {selected} trajectories of {recorded}: {report.sent} calls sent, "
+        f"trace-proxy replay: {selected} trajectories of {printable(recorded)}: "
+        f"{report.sent} calls sent, "
         f"{len(report.failed)} failed, {len(report.skipped)} not replayable"
     )
     for kind, items in (("failed", report.failed), ("not replayable", report.skipped)):
         for item in items[:MAX_SHOWN]:
-            print(f"  {kind}: trajectory {item.trajectory} call {item.call}: {item.reason}")
+            print(f"  {kind}: trajectory {printable(item.trajectory)} call {item.call}: "
+                  f"{printable(item.reason)}")  # fmt: skip
         if len(items) > MAX_SHOWN:
             print(f"  ... and {len(items) - MAX_SHOWN} more {kind}")
-    name = f"{report.project}/{report.experiment}"
+    name = printable(f"{report.project}/{report.experiment}")
     print(f"New run {name}: {report.trajectories} trajectories written to {report.output}")
     if report.token_ids_missing:
         print(f"  {report.token_ids_missing} replayed calls came back without the token ids "
@@ -203,8 +206,11 @@ def print_report(report: Any, recorded: str, selected: int) -> None:
     if report.left_in_spool is not None:
         print(f"  records not yet written wait in {report.left_in_spool}")
     if report.directory is not None:
-        viewer = Path(report.output)
+        # One viewer over the recorded run and the new one, so that it can compare them.
+        output = Path(report.output)
+        inside = output == store or output.parent == store / REPLICAS
+        stores, number = (str(store), 0) if inside else (f"{store} {output}", 1)
         project, experiment = report.directory.parent.name, report.directory.name
-        print(f"Look at it:  trace-proxy ui {viewer}  (then /run/0/{quote(project, safe='')}/"
-              f"{quote(experiment, safe='')}/: a replayed trajectory's page compares it with "
-              "the recorded one)")  # fmt: skip
+        print(f"Look at it:  trace-proxy ui {stores}  (then /run/{number}/"
+              f"{quote(project, safe='')}/{quote(experiment, safe='')}/: a replayed "
+              "trajectory's page compares it with the recorded one)")  # fmt: skip

@@ -61,6 +61,8 @@ class ReplayPlan:
 
 @dataclass
 class Failure:
+    """A recorded call that failed when sent again, or could not be sent, and why."""
+
     trajectory: str  # the original record's id
     call: int
     reason: str
@@ -68,6 +70,8 @@ class Failure:
 
 @dataclass
 class ReplayReport:
+    """What a replay did: the summary the command line prints."""
+
     project: str
     experiment: str
     output: Path
