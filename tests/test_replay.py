@@ -22,6 +22,7 @@ from proxy_helpers import closed_port, running_proxy, scripted_upstream, traject
 from ui_records import append, call, run_dir, step_file, trajectory
 
 from trace_proxy.cli import main
+from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.replay.requests import NotReplayable, ReplayCall, replay_calls
 from trace_proxy.replay.selection import ReplayError, select
 from trace_proxy.replay.session import ReplayPlan, replay
@@ -167,7 +168,8 @@ async def test_sglang_calls_are_sent_as_recorded(
     newer = FakeSGLang(qwen_tokenizer, model="tiny-qwen", deterministic=True)
     newer_url = await start_fake(newer)
     run, picked = select(store, run_name="grpo", trajectory_ids=["sg", "sg-text"], step=None)
-    plan = ReplayPlan(upstream=newer_url, output=tmp_path / "out", experiment="again")
+    plan = ReplayPlan(upstream=newer_url, output=tmp_path / "out", experiment="again",
+                      tokenizer=[str(ensure_qwen_tokenizer())], token2text=True)  # fmt: skip
     report = await replay(run, picked, plan)
 
     assert (report.sent, report.failed, report.skipped, report.trajectories) == (3, [], [], 2)
@@ -177,6 +179,11 @@ async def test_sglang_calls_are_sent_as_recorded(
     tokens = next(t for t in replayed.values() if len(t["calls"]) == 2)
     assert [c["stream"] for c in tokens["calls"]] == [False, True]
     assert all(c["outputs"][0]["token_ids"] for c in tokens["calls"])
+    first = tokens["calls"][0]  # decoded as serve --token2text decodes
+    assert first["prompt_text"] == qwen_tokenizer.decode(PROMPT_IDS)
+    assert first["outputs"][0]["response_text"] == qwen_tokenizer.decode(
+        first["outputs"][0]["token_ids"]
+    )
 
 
 def test_a_call_whose_request_was_not_recorded_is_named_not_sent() -> None:
