@@ -224,3 +224,56 @@ def test_a_new_user_finds_the_best_and_worst_rollout_and_where_they_diverge(
     driver.find_element(By.ID, "reload").click()
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#train-steps tbody tr")) == 3)
     shot("07-steps-followed")
+
+
+def test_a_user_follows_one_prompt_across_training(
+    browser: object, viewer_url: str, demo_store: Path, shots: Path
+) -> None:
+    """From a group of a step to the same prompt at every step where it was kept: rewards and
+    the best and worst answers of each step, each answer opening its trajectory."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    assert isinstance(browser, WebDriver)
+    driver = browser
+    wait = WebDriverWait(driver, WAIT)
+    driver.get(viewer_url)
+    driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
+    wait.until(ec.presence_of_element_located((By.ID, "train-steps")))
+    driver.find_element(By.CSS_SELECTOR, "#train-steps tbody tr a").click()
+    group = wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "#groups tr.group")))
+    asks = group.find_element(By.CSS_SELECTOR, "details.gprompt summary").text.removesuffix("…")
+    sample = group.get_attribute("data-group")
+    # The store as written: the steps where this group's first user message was asked.
+    records = [r for _, r in iter_records(demo_store) if r.get("record") == "trajectory"]
+
+    def asked(record: dict[str, Any]) -> str:
+        messages = record["calls"][0]["prompt"]["messages"]
+        return next(m["content"] for m in messages if m["role"] == "user")
+
+    steps = sorted({r["key"]["step"] for r in records if asked(r).startswith(asks)})
+    assert len(steps) >= 2, "the demo asks its samples again at the next step"
+    link = group.find_element(By.CSS_SELECTOR, "a.prompt-history")
+    assert link.text == f"this prompt at {len(steps)} steps"
+    link.click()
+
+    wait.until(ec.presence_of_element_located((By.ID, "history")))
+    assert driver.find_element(By.CSS_SELECTOR, "#history-prompt .full-prompt").text.startswith(
+        asks
+    )
+    rows = driver.find_elements(By.CSS_SELECTOR, "#history tr.history-step")
+    assert [r.get_attribute("data-step") for r in rows] == [str(s) for s in steps]
+    assert len(driver.find_elements(By.CSS_SELECTOR, "figure.plot svg polyline")) == 2
+    best = rows[0].find_element(By.CSS_SELECTOR, "td.answer.best")
+    answer = best.find_element(By.CSS_SELECTOR, "pre.response").get_attribute("textContent")
+    assert driver.save_screenshot(str(shots / "08-prompt-history.png"))
+    best.find_element(By.CSS_SELECTOR, "a.traj-link").click()
+    wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
+    ident = driver.current_url.rstrip("/").rsplit("/", 1)[-1]
+    record = next(r for r in records if r["id"] == ident)
+    assert record["key"]["step"] == steps[0] == 1  # the step the group was on
+    assert f"sample {record['key']['sample_index']}" == sample
+    last = record["calls"][-1]["outputs"][0]
+    assert answer.startswith((last.get("response_text") or last.get("text") or "")[:200])

@@ -15,6 +15,7 @@ says becomes part of a path.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -69,6 +70,7 @@ class Entry:
     calls_dropped: int
     annotated: bool = False  # reward, score or labels came from a later annotation
     trajectory_id: str | None = None  # the key's, when the client gave one
+    prompt_hash: str | None = None  # `prompt_hash` of its first call: the same sample at any step
     # Records of the same trajectory that other replicas wrote (its calls reached several
     # proxies): shown as one with this entry (`replicas.joined`), counted once.
     others: tuple[Entry, ...] = ()
@@ -162,6 +164,7 @@ class Run:
     by_id: dict[str, Entry] = field(default_factory=dict)
     # (validate, step, trajectory id, part) -> its first entry and the directories that wrote it
     by_trajectory: dict[tuple[Any, ...], tuple[Entry, set[Path]]] = field(default_factory=dict)
+    by_prompt: dict[str, list[Entry]] = field(default_factory=dict)  # entries, by prompt_hash
     pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # notes, by target
     # `trace-proxy replay`'s trajectories of this run, by what each replays: (record id,
     # project, experiment), as their labels name it
@@ -184,7 +187,7 @@ class Run:
     def clear(self) -> None:
         """Forget everything read (its files are read again from their start)."""
         self.files, self.steps, self.by_id, self.pending, self.events = {}, {}, {}, {}, []
-        self.by_trajectory, self.replays = {}, {}
+        self.by_trajectory, self.by_prompt, self.replays = {}, {}, {}
         self.unreadable = self.calls = self.prompt_tokens = self.completion_tokens = 0
         self.errors = 0
 
@@ -424,7 +427,35 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         finish=None if finish is None else sys.intern(finish),
         calls_dropped=_int(summary.get("calls_dropped")),
         trajectory_id=_str_or_none(key.get("trajectory_id")),
+        prompt_hash=prompt_hash(calls[0]) if calls else None,
     )
+
+
+def prompt_hash(call: dict[str, Any]) -> str | None:
+    """A digest of a call's whole prompt (its chat messages' roles and contents, else its token
+    ids, else its text): equal for the same sample wherever and whenever it was asked, whatever
+    key the client gave. None when the prompt is not stored whole (shared with an earlier call)
+    or not at all."""
+    prompt = as_dict(call.get("prompt"))
+    if prompt.get("prefix_call") is not None:
+        return None
+    messages = prompt.get("messages")
+    if isinstance(messages, list) and messages:
+        value: Any = [
+            [m.get("role"), m.get("content")] if isinstance(m, dict) else m for m in messages
+        ]
+        kind = b"messages"
+    elif isinstance(prompt.get("token_ids"), list) and prompt["token_ids"]:
+        value, kind = prompt["token_ids"], b"token_ids"
+    elif isinstance(prompt.get("text"), str) and prompt["text"]:
+        value, kind = prompt["text"], b"text"
+    else:
+        return None
+    try:
+        data = orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # a number JSON cannot hold again (a huge integer): no digest
+        return None
+    return hashlib.blake2b(kind + b"\0" + data, digest_size=8).hexdigest()
 
 
 def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) -> None:
@@ -441,6 +472,8 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
         directories.add(directory)
     run.by_id[entry.id] = entry
     step.entries.append(entry)
+    if entry.prompt_hash is not None:
+        run.by_prompt.setdefault(entry.prompt_hash, []).append(entry)
     labels = as_dict(record.get("labels"))
     of = [labels.get(name) for name in REPLAY_LABELS]
     if all(isinstance(value, str) for value in of):

@@ -29,10 +29,11 @@ from trace_proxy.config import Settings
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
 from trace_proxy.store.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
-from trace_proxy.ui import views
+from trace_proxy.ui import history, views
 from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
 
 GROUPS_PER_PAGE = 50
+STEPS_PER_PAGE = 25  # of one prompt's history: two records read per step shown
 DASH = "\u2013"  # shown for a missing value
 MAX_COMPARED = 8
 MAX_REPLAYS = 20  # replays of a trajectory linked from its page
@@ -132,6 +133,7 @@ class Viewer:
         app.router.add_get(base + "/t/{id}/raw", self.raw_record)
         app.router.add_get(base + "/t", self.by_query)  # ?id=, see trajectory_url
         app.router.add_get(base + "/compare", self.compare_page)
+        app.router.add_get(base + "/prompt/{hash}", self.prompt_page)
         return app
 
     @web.middleware
@@ -249,6 +251,9 @@ class Viewer:
         pages = max(1, math.ceil(len(groups) / GROUPS_PER_PAGE))
         page = min(page, pages)
         shown_groups = groups[(page - 1) * GROUPS_PER_PAGE : page * GROUPS_PER_PAGE]
+        with self.index.lock:
+            for group in shown_groups:
+                group.prompt_steps = _steps_asked(run, group.rollouts[0])
         await asyncio.to_thread(self._read_prompts, shown_groups)
         filters = {k: v for k, v in query.items() if k != "page" and v}
         return self._render(
@@ -277,6 +282,7 @@ class Viewer:
                  if e.group == entry.group),
                 key=views.rollout_order,
             )  # fmt: skip
+            prompt_steps = _steps_asked(run, entry)
         record = joined(await asyncio.to_thread(self._read_parts, entry))
         view = views.trajectory_view(record, self.piece)
         with self.index.lock:
@@ -284,7 +290,8 @@ class Viewer:
             replays = self.index.replays_of(run, entry)[:MAX_REPLAYS]
         return self._render(
             "trajectory.html", run=run, entry=entry, t=view, siblings=siblings,
-            transcript=transcript_of(record), recorded=recorded, replays=replays,
+            transcript=transcript_of(record), prompt_steps=prompt_steps, recorded=recorded,
+            replays=replays,
             key=(entry.validate, entry.step), timeline=_timeline(view),
         )  # fmt: skip
 
@@ -358,6 +365,36 @@ class Viewer:
             key=(entries[-1].validate, entries[-1].step),
         )  # fmt: skip
 
+    async def prompt_page(self, request: web.Request) -> web.Response:
+        """One prompt at every step where it was kept: how the answers to it changed."""
+        await self._refreshed()
+        digest = request.match_info["hash"]
+        with self.index.lock:
+            run = self._run(request)
+            entries = list(run.by_prompt.get(digest, ()))
+        if not entries:
+            raise web.HTTPNotFound(text="no trajectory of this run was asked this prompt\n")
+        steps = history.steps_of_prompt(entries)
+        page = max(1, int(_float_arg(request.query.get("page")) or 1))
+        pages = max(1, math.ceil(len(steps) / STEPS_PER_PAGE))
+        page = min(page, pages)
+        shown = steps[(page - 1) * STEPS_PER_PAGE : page * STEPS_PER_PAGE]
+
+        def read() -> str | None:
+            history.read_answers(shown, self.index.read_record, self.piece)
+            try:
+                return views.sample_prompt(self.index.read_record(steps[0].rollouts[0]))
+            except (OSError, ValueError):
+                return None
+
+        prompt = await asyncio.to_thread(read)
+        training = [s.row for s in steps if not s.key[0] and s.key[1] is not None]
+        return self._render(
+            "prompt.html", run=run, digest=digest, steps=shown, prompt=prompt,
+            total_steps=len(steps), rollouts=len(entries), plots=_plots(training),
+            page=page, pages=pages,
+        )  # fmt: skip
+
     async def generation(self, request: web.Request) -> web.Response:
         return web.json_response({"generation": await self._refreshed()})
 
@@ -370,6 +407,13 @@ class Viewer:
 
 
 # --- page data -------------------------------------------------------------------------------
+
+
+def _steps_asked(run: Run, entry: Entry) -> int:
+    """At how many steps (training and validation) `entry`'s prompt was kept."""
+    if entry.prompt_hash is None:
+        return 0
+    return len({(e.validate, e.step) for e in run.by_prompt.get(entry.prompt_hash, ())})
 
 
 def _run_row(run: Run) -> dict[str, Any]:

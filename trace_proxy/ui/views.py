@@ -260,6 +260,7 @@ class Group:
     rollouts: list[Entry]
     shown: list[Entry] = field(default_factory=list)  # after filters, in the chosen order
     prompt: str | None = None  # what the sample asks (`sample_prompt`), when read
+    prompt_steps: int = 0  # steps where its prompt was kept (see history.py)
 
     @property
     def prompt_start(self) -> str:
