@@ -1,0 +1,188 @@
+"""Retokenization drift: found with the real Qwen tokenizer, on real clients' traffic, marked
+in the record and counted on /metrics; correct traffic is never marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+from fakes import FakeVLLM, StartFake
+from proxy_helpers import running_proxy, trajectories
+
+from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+from trace_proxy.trajectories.drift import Codec, codec_for, prefix_drift, roundtrip_drift
+
+FIRST = "<|im_start|>user\nTell me about the gradient.<|im_end|>\n<|im_start|>assistant\n"
+MORE = "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
+IM_END = 151645
+
+
+@pytest.fixture(scope="module")
+def codec(qwen_tokenizer: Any) -> Codec:
+    return codec_for(qwen_tokenizer)
+
+
+def split_word(codec: Codec, qwen_tokenizer: Any, text: str) -> list[int]:
+    """`text`'s ids with its first word of six letters or more as two vocabulary pieces: the
+    same text, ids that the tokenizer does not give back (checked here, not assumed)."""
+    ids = codec.encode(text)
+    backend = qwen_tokenizer.backend_tokenizer
+    for position, token in enumerate(ids):
+        name = backend.id_to_token(token)
+        for cut in range(2, len(name) - 1):
+            first, second = backend.token_to_id(name[:cut]), backend.token_to_id(name[cut:])
+            if len(name) >= 6 and first is not None and second is not None:
+                split = [*ids[:position], first, second, *ids[position + 1 :]]
+                assert codec.decode(split) == text and codec.encode(text) != split
+                return split
+    raise AssertionError(f"no word of {text!r} splits")
+
+
+def test_a_split_word_does_not_round_trip_and_canonical_ids_do(
+    codec: Codec, qwen_tokenizer: Any
+) -> None:
+    text = " The gradient looks consistent with the earlier steps."
+    canonical = [*codec.encode(text), IM_END]
+    assert roundtrip_drift(codec, canonical) is None
+    split = [*split_word(codec, qwen_tokenizer, text), IM_END]
+    at = next(i for i, (a, b) in enumerate(zip(split, canonical, strict=False)) if a != b)
+    assert roundtrip_drift(codec, split) == {
+        "at": at,
+        "expected": split[at],
+        "got": canonical[at],
+        "expected_text": codec.decode([split[at]]),
+        "got_text": codec.decode([canonical[at]]),
+    }
+
+
+def test_the_next_prompt_is_judged_only_where_it_continues_the_call(
+    codec: Codec, qwen_tokenizer: Any
+) -> None:
+    prompt = codec.encode(FIRST)
+    text = " The gradient looks consistent."
+    response = [*split_word(codec, qwen_tokenizer, text), IM_END]
+    more = codec.encode(MORE)
+    # Token in, token out: the ids come back as generated, with or without the stop token.
+    assert prefix_drift(codec, prompt, response, [*prompt, *response, *more[1:]]) is None
+    assert prefix_drift(codec, prompt, response, [*prompt, *response[:-1], *more]) is None
+    # Not a continuation: a retry of the same prompt, another conversation.
+    assert prefix_drift(codec, prompt, response, prompt) is None
+    assert prefix_drift(codec, prompt, response, codec.encode("Another question.")) is None
+    # The reply kept as text and tokenized again.
+    again = codec.encode(FIRST + text + MORE)
+    drift = prefix_drift(codec, prompt, response, again)
+    assert drift is not None and drift["in"] == "response"
+    at = drift["at"]
+    assert prompt == again[: len(prompt)] and at >= len(prompt)
+    assert [*prompt, *response][:at] == again[:at]
+    assert (drift["expected"], drift["got"]) == (response[at - len(prompt)], again[at])
+    rest = codec.decode(response[at - len(prompt) + 1 :])
+    assert (drift["expected_text"] + rest).startswith(drift["got_text"])  # the same text
+
+
+def test_a_template_that_rewrites_the_reply_is_drift(codec: Codec) -> None:
+    prompt = codec.encode(FIRST)
+    response = [*codec.encode("<think>\nHmm.\n</think>\n\nIt descends."), IM_END]
+    rendered = codec.encode(FIRST + "It descends." + MORE)  # the thinking dropped
+    drift = prefix_drift(codec, prompt, response, rendered)
+    assert drift is not None
+    assert (drift["at"], drift["expected_text"], drift["in"]) == (
+        len(prompt),
+        "<think>",
+        "response",
+    )
+
+
+async def metrics_text(service: Any) -> str:
+    admin = service.addresses.admin
+    async with aiohttp.ClientSession() as session, session.get(admin + "/metrics") as response:
+        return await response.text()
+
+
+def drift_count(text: str, kind: str) -> float:
+    line = f'trace_proxy_retokenization_drift_calls_total{{kind="{kind}"}} '
+    [value] = [row[len(line) :] for row in text.splitlines() if row.startswith(line)]
+    return float(value)
+
+
+async def test_a_text_client_re_tokenizing_replies_is_marked_and_counted(
+    qwen_tokenizer: Any, codec: Codec, start_fake: StartFake, tmp_path: Path
+) -> None:
+    """The real openai client on /v1/completions keeps each reply as text and sends it back
+    in the next prompt; the model's ids split words, so the server's tokenization differs."""
+    upstream = await start_fake(
+        FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True, split_words=True)
+    )
+    settings = {"token2text": True, "tokenizer": [str(ensure_qwen_tokenizer())]}
+    async with running_proxy([upstream], tmp_path, **settings) as (service, proxy):
+        client = openai.AsyncOpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0)
+        prompt, replies = FIRST, []
+        for turn in range(3):
+            headers = {"X-Rollout-Trajectory-Id": "text-client"}
+            if turn == 2:
+                headers["X-Rollout-Done"] = "true"
+            reply = await client.completions.create(
+                model="tiny-qwen", prompt=prompt, max_tokens=40,
+                extra_body={"return_token_ids": True}, extra_headers=headers,
+            )  # fmt: skip
+            replies.append(reply.choices[0])
+            prompt = prompt + reply.choices[0].text + MORE
+        await client.close()
+        await service.flush()
+        metrics = await metrics_text(service)
+    [trajectory] = trajectories(tmp_path)
+    calls = trajectory["calls"]
+    assert [c["drift"] is not None for c in calls] == [True, True, True]
+    for position, call in enumerate(calls):
+        generated = call["outputs"][0]["token_ids"]
+        assert generated == replies[position].model_extra["token_ids"]
+        assert codec.encode(codec.decode(generated)) != generated  # really does not round-trip
+        assert call["drift"]["roundtrip"]["output"] == 0
+    # Each next prompt, tokenized by the server from text, leaves the generated ids.
+    first_prompt = replies[0].model_extra["prompt_token_ids"]
+    second_prompt = replies[1].model_extra["prompt_token_ids"]
+    expected = [*first_prompt, *calls[0]["outputs"][0]["token_ids"]]
+    prefix = calls[0]["drift"]["prefix"]
+    at = prefix["at"]
+    assert len(first_prompt) <= at < len(expected) and prefix["in"] == "response"
+    assert expected[:at] == second_prompt[:at]
+    assert (prefix["expected"], prefix["got"]) == (expected[at], second_prompt[at])
+    assert prefix["expected_text"] == codec.decode([expected[at]])
+    assert prefix["got_text"] == codec.decode([second_prompt[at]])
+    assert "prefix" in calls[1]["drift"] and "prefix" not in calls[2]["drift"]  # last: no next
+    assert trajectory["summary"]["drift_calls"] == 3
+    assert drift_count(metrics, "prefix") == 2
+    assert drift_count(metrics, "roundtrip") == 3
+
+
+async def test_a_token_in_multi_turn_trajectory_is_not_marked(
+    qwen_tokenizer: Any, codec: Codec, fake_vllm: tuple[FakeVLLM, str], tmp_path: Path
+) -> None:
+    """A client that sends back the generated ids (and the stop token) drifts nowhere."""
+    _, upstream = fake_vllm
+    settings = {"token2text": True, "tokenizer": [str(ensure_qwen_tokenizer())]}
+    async with running_proxy([upstream], tmp_path, **settings) as (service, proxy):
+        ids = codec.encode(FIRST)
+        async with aiohttp.ClientSession() as session:
+            for turn in range(3):
+                headers = {"X-Rollout-Trajectory-Id": "token-client"}
+                if turn == 2:
+                    headers["X-Rollout-Done"] = "true"
+                body = {"model": "tiny-qwen", "token_ids": ids,
+                        "sampling_params": {"max_tokens": 40}}  # fmt: skip
+                async with session.post(
+                    proxy + "/inference/v1/generate", json=body, headers=headers
+                ) as response:
+                    assert response.status == 200
+                    answer = await response.json()
+                ids = [*ids, *answer["choices"][0]["token_ids"], *codec.encode(MORE)[1:]]
+        await service.flush()
+        metrics = await metrics_text(service)
+    [trajectory] = trajectories(tmp_path)
+    assert len(trajectory["calls"]) == 3
+    assert [c["drift"] for c in trajectory["calls"]] == [None, None, None]
+    assert trajectory["summary"]["drift_calls"] == 0
+    assert drift_count(metrics, "prefix") == drift_count(metrics, "roundtrip") == 0
