@@ -3,20 +3,33 @@ in the record and counted on /metrics; correct traffic is never marked."""
 
 from __future__ import annotations
 
+import asyncio
+import html
+import json
+import re
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
-from fakes import FakeVLLM, StartFake
+from aiohttp.test_utils import TestClient, TestServer
+from drift_traffic import (
+    FIRST,
+    MORE,
+    TURNS,
+    TextClientRun,
+    drift_count,
+    metrics_text,
+    text_client_rollout,
+)
+from fakes import FakeVLLM
 from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.trajectories.drift import Codec, codec_for, prefix_drift, roundtrip_drift
+from trace_proxy.ui.index import StoreIndex
+from trace_proxy.ui.server import Viewer
 
-FIRST = "<|im_start|>user\nTell me about the gradient.<|im_end|>\n<|im_start|>assistant\n"
-MORE = "<|im_end|>\n<|im_start|>user\nAnd then?<|im_end|>\n<|im_start|>assistant\n"
 IM_END = 151645
 
 
@@ -96,46 +109,24 @@ def test_a_template_that_rewrites_the_reply_is_drift(codec: Codec) -> None:
     )
 
 
-async def metrics_text(service: Any) -> str:
-    admin = service.addresses.admin
-    async with aiohttp.ClientSession() as session, session.get(admin + "/metrics") as response:
-        return await response.text()
+@pytest.fixture(scope="module")
+def text_client(
+    qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[TextClientRun, Path]:
+    output = tmp_path_factory.mktemp("drift-store")
+    return asyncio.run(text_client_rollout(qwen_tokenizer, output)), output
 
 
-def drift_count(text: str, kind: str) -> float:
-    line = f'trace_proxy_retokenization_drift_calls_total{{kind="{kind}"}} '
-    [value] = [row[len(line) :] for row in text.splitlines() if row.startswith(line)]
-    return float(value)
-
-
-async def test_a_text_client_re_tokenizing_replies_is_marked_and_counted(
-    qwen_tokenizer: Any, codec: Codec, start_fake: StartFake, tmp_path: Path
+def test_a_text_client_re_tokenizing_replies_is_marked_and_counted(
+    codec: Codec, text_client: tuple[TextClientRun, Path]
 ) -> None:
     """The real openai client on /v1/completions keeps each reply as text and sends it back
     in the next prompt; the model's ids split words, so the server's tokenization differs."""
-    upstream = await start_fake(
-        FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True, split_words=True)
-    )
-    settings = {"token2text": True, "tokenizer": [str(ensure_qwen_tokenizer())]}
-    async with running_proxy([upstream], tmp_path, **settings) as (service, proxy):
-        client = openai.AsyncOpenAI(base_url=proxy + "/v1", api_key="none", max_retries=0)
-        prompt, replies = FIRST, []
-        for turn in range(3):
-            headers = {"X-Rollout-Trajectory-Id": "text-client"}
-            if turn == 2:
-                headers["X-Rollout-Done"] = "true"
-            reply = await client.completions.create(
-                model="tiny-qwen", prompt=prompt, max_tokens=40,
-                extra_body={"return_token_ids": True}, extra_headers=headers,
-            )  # fmt: skip
-            replies.append(reply.choices[0])
-            prompt = prompt + reply.choices[0].text + MORE
-        await client.close()
-        await service.flush()
-        metrics = await metrics_text(service)
-    [trajectory] = trajectories(tmp_path)
+    run, output = text_client
+    replies = run.replies
+    [trajectory] = trajectories(output)
     calls = trajectory["calls"]
-    assert [c["drift"] is not None for c in calls] == [True, True, True]
+    assert [c["drift"] is not None for c in calls] == [True] * TURNS
     for position, call in enumerate(calls):
         generated = call["outputs"][0]["token_ids"]
         assert generated == replies[position].model_extra["token_ids"]
@@ -153,9 +144,42 @@ async def test_a_text_client_re_tokenizing_replies_is_marked_and_counted(
     assert prefix["expected_text"] == codec.decode([expected[at]])
     assert prefix["got_text"] == codec.decode([second_prompt[at]])
     assert "prefix" in calls[1]["drift"] and "prefix" not in calls[2]["drift"]  # last: no next
-    assert trajectory["summary"]["drift_calls"] == 3
-    assert drift_count(metrics, "prefix") == 2
-    assert drift_count(metrics, "roundtrip") == 3
+    assert trajectory["summary"]["drift_calls"] == TURNS
+    assert drift_count(run.metrics, "prefix") == TURNS - 1
+    assert drift_count(run.metrics, "roundtrip") == TURNS
+
+
+def token_shown(token: int, text: str) -> str:
+    """A token as the drift mark shows it: its id and its text as a JSON string."""
+    return f"{token} {json.dumps(text)}"
+
+
+async def test_the_viewer_lists_the_drifting_calls_and_marks_them(
+    text_client: tuple[TextClientRun, Path],
+) -> None:
+    _, output = text_client
+    [trajectory] = trajectories(output)
+    async with TestClient(TestServer(Viewer(StoreIndex([output], min_interval=0)).app())) as client:
+        found = re.search(r'href="(/run/0/[^"]+)/"', await (await client.get("/")).text())
+        assert found is not None
+        run_url = html.unescape(found.group(1))
+        run_page = await (await client.get(run_url + "/")).text()
+        assert "1 trajectories with drifting calls" in run_page
+        assert f'href="{run_url}/drift"' in run_page
+        listing = html.unescape(await (await client.get(run_url + "/drift")).text())
+        assert f"{TURNS} drifting calls in 1 trajectories" in listing
+        assert listing.count('class="drift-row"') == TURNS
+        prefix = trajectory["calls"][0]["drift"]["prefix"]
+        assert token_shown(prefix["expected"], prefix["expected_text"]) in listing
+        assert token_shown(prefix["got"], prefix["got_text"]) in listing
+        assert f"/t/{trajectory['id']}#turn-0" in listing
+        page = html.unescape(await (await client.get(run_url + f"/t/{trajectory['id']}")).text())
+        assert page.count('class="turn drifting"') == TURNS
+        assert f"{TURNS} drifting calls" in page
+        first_turn = page[page.index('id="turn-0"') : page.index('id="turn-1"')]
+        assert "prefix drift" in first_turn and "roundtrip drift" in first_turn
+        assert f"at token {prefix['at']}" in first_turn
+        assert token_shown(prefix["expected"], prefix["expected_text"]) in first_turn
 
 
 async def test_a_token_in_multi_turn_trajectory_is_not_marked(
