@@ -27,6 +27,9 @@ from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.trajectories.drift import Codec, codec_for, prefix_drift, roundtrip_drift
+from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, RolloutKey, Trajectory
+from trace_proxy.trajectories.token2text import Token2Text, load_configured
+from trace_proxy.trajectories.toolparsers import get_parser
 from trace_proxy.ui.index import StoreIndex
 from trace_proxy.ui.server import Viewer
 
@@ -80,7 +83,8 @@ def test_the_next_prompt_is_judged_only_where_it_continues_the_call(
     more = codec.encode(MORE)
     # Token in, token out: the ids come back as generated, with or without the stop token.
     assert prefix_drift(codec, prompt, response, [*prompt, *response, *more[1:]]) is None
-    assert prefix_drift(codec, prompt, response, [*prompt, *response[:-1], *more]) is None
+    without_stop = [*prompt, *response[:-1], *codec.encode("\nUser: and then?")]
+    assert prefix_drift(codec, prompt, response, without_stop) is None
     # Not a continuation: a retry of the same prompt, another conversation.
     assert prefix_drift(codec, prompt, response, prompt) is None
     assert prefix_drift(codec, prompt, response, codec.encode("Another question.")) is None
@@ -178,7 +182,7 @@ async def test_the_viewer_lists_the_drifting_calls_and_marks_them(
         assert f"{TURNS} drifting calls" in page
         first_turn = page[page.index('id="turn-0"') : page.index('id="turn-1"')]
         assert "prefix drift" in first_turn and "roundtrip drift" in first_turn
-        assert f"at token {prefix['at']}" in first_turn
+        assert f"at its token {prefix['at']}" in first_turn
         assert token_shown(prefix["expected"], prefix["expected_text"]) in first_turn
 
 
@@ -210,3 +214,43 @@ async def test_a_token_in_multi_turn_trajectory_is_not_marked(
     assert [c["drift"] for c in trajectory["calls"]] == [None, None, None]
     assert trajectory["summary"]["drift_calls"] == 0
     assert drift_count(metrics, "prefix") == drift_count(metrics, "roundtrip") == 0
+
+
+def drifting_trajectory(codec: Codec, qwen_tokenizer: Any) -> Trajectory:
+    """Two calls: the first's reply split into non-canonical ids, sent back as text."""
+    prompt = codec.encode(FIRST)
+    text = " The gradient looks consistent."
+    response = [*split_word(codec, qwen_tokenizer, text), IM_END]
+    calls = [
+        GenerateCall(
+            index=i,
+            dialect="vllm.generate",
+            route="/inference/v1/generate",
+            upstream="u",
+            start=float(i),
+            end=i + 0.5,
+            model="tiny-qwen",
+            prompt=Prompt(token_ids=ids),
+            outputs=[Output(index=0, token_ids=out, finish_reason="stop")],
+        )
+        for i, (ids, out) in enumerate(
+            [(prompt, response), (codec.encode(FIRST + text + MORE), [IM_END])]
+        )
+    ]
+    key = RolloutKey(project="p", experiment="e")
+    return Trajectory(id="t", key=key, start=0.0, end=2.0, status="ok",
+                      close_reason="done", calls=calls)  # fmt: skip
+
+
+def test_drift_checks_can_be_turned_off(qwen_tokenizer: Any, codec: Codec) -> None:
+    tokenizers = load_configured([str(ensure_qwen_tokenizer())], skip_special_tokens=False)
+    counted: list[str] = []
+    checked = drifting_trajectory(codec, qwen_tokenizer)
+    Token2Text(tokenizers, get_parser("hermes"), on_drift=counted.append).process([checked])
+    assert [c.drift is not None for c in checked.calls] == [True, False]
+    assert counted == ["prefix", "roundtrip"] and checked.summary["drift_calls"] == 1
+    unchecked = drifting_trajectory(codec, qwen_tokenizer)
+    Token2Text(tokenizers, get_parser("hermes"), check_drift=False).process([unchecked])
+    assert [c.drift for c in unchecked.calls] == [None, None]
+    assert "drift_calls" not in unchecked.summary
+    assert unchecked.calls[0].outputs[0].response_text is not None  # still decoded

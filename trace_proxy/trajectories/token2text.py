@@ -153,11 +153,13 @@ class Token2Text:
         tool_parser: ToolCallParser,
         on_skip: Callable[[str], None] | None = None,
         on_drift: Callable[[str], None] | None = None,
+        check_drift: bool = True,
     ) -> None:
         self.tokenizers = tokenizers
         self._parser = tool_parser
         self._on_skip = on_skip
         self._on_drift = on_drift
+        self._check_drift = check_drift
 
     @property
     def inactive(self) -> bool:
@@ -192,9 +194,10 @@ class Token2Text:
                 if output.token_ids:
                     output.response_text = decode(output.token_ids)
         full = full_token_ids(calls)
-        codecs = [self.tokenizers.codec_for_model(call.model) for call in calls]
-        if any(codecs):
-            mark_drift(trajectory, full, codecs, self._on_drift)
+        if self._check_drift:
+            codecs = [self.tokenizers.codec_for_model(call.model) for call in calls]
+            if any(codecs):
+                mark_drift(trajectory, full, codecs, self._on_drift)
         for position in range(len(calls) - 1, -1, -1):
             decode, ids = decoders[position], full[position]
             if decode is not None and ids is not None:

@@ -67,7 +67,7 @@ class Drift:
     @property
     def summary(self) -> str:
         if self.kind == "prefix":
-            return f"the next prompt leaves this call's {self.part or 'ids'} at token {self.at}"
+            return f"the next prompt leaves this call's {self.part or 'ids'} at its token {self.at}"
         return f"output {self.output}: decoding and encoding changes token {self.at}"
 
 
