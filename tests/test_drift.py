@@ -170,6 +170,8 @@ async def test_the_viewer_lists_the_drifting_calls_and_marks_them(
         run_page = await (await client.get(run_url + "/")).text()
         assert "1 trajectories with drifting calls" in run_page
         assert f'href="{run_url}/drift"' in run_page
+        step_page = await (await client.get(run_url + "/step/none")).text()
+        assert f'<span class="bad drift-badge">{TURNS} drifting</span>' in step_page
         listing = html.unescape(await (await client.get(run_url + "/drift")).text())
         assert f"{TURNS} drifting calls in 1 trajectories" in listing
         assert listing.count('class="drift-row"') == TURNS
