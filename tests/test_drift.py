@@ -153,6 +153,27 @@ def test_a_text_client_re_tokenizing_replies_is_marked_and_counted(
     assert drift_count(run.metrics, "roundtrip") == TURNS
 
 
+def test_without_prompt_ids_the_text_prompt_is_encoded_as_the_server_does(
+    qwen_tokenizer: Any, codec: Codec, tmp_path: Path
+) -> None:
+    """AReaL's payload: the reply's ids only as logprob tokens, the prompt's not at all; the
+    prompt's text encoded as vLLM's /tokenize does finds the same drift."""
+    run = asyncio.run(text_client_rollout(qwen_tokenizer, tmp_path, ids_in_logprobs=True))
+    [trajectory] = trajectories(tmp_path)
+    calls = trajectory["calls"]
+    assert all(c["prompt"]["token_ids"] is None for c in calls)
+    assert ["prefix" in (c["drift"] or {}) for c in calls] == [True] * (TURNS - 1) + [False]
+    for position in range(TURNS - 1):
+        generated = calls[position]["outputs"][0]["token_ids"]
+        expected = [*run.prompts[position], *generated]
+        following = run.prompts[position + 1]
+        prefix = calls[position]["drift"]["prefix"]
+        at = prefix["at"]
+        assert expected[:at] == following[:at] and expected[at] != following[at]
+        assert (prefix["expected"], prefix["got"]) == (expected[at], following[at])
+    assert drift_count(run.metrics, "prefix") == TURNS - 1
+
+
 def token_shown(token: int, text: str) -> str:
     """A token as the drift mark shows it: its id and its text as a JSON string."""
     return f"{token} {json.dumps(text)}"

@@ -13,6 +13,9 @@ tokenizer, where the ids are known:
 - roundtrip: `encode(decode(ids))` gives a response's ids back, i.e. a client that keeps the
   text would send the same ids again.
 
+Prompt ids are the record's; a `/v1/completions` call whose text prompt came back without its
+ids gets them by encoding that text as the server does (`Codec.encode_prompt`).
+
 A call that drifts gets `drift` (`{"prefix": {...}, "roundtrip": {...}}`, each naming the first
 differing position and the two tokens there); a check that cannot be made records nothing.
 The checks run where token2text decodes (the export process, once per kept trajectory), never
@@ -29,6 +32,7 @@ from trace_proxy.trajectories.prompts import common_prefix
 from trace_proxy.trajectories.record import GenerateCall, Trajectory
 
 KINDS = ("prefix", "roundtrip")
+COMPLETIONS = "openai.completions"  # the dialect whose text prompt the server tokenizes as is
 # Tokens decoded before the first difference, so the two texts compared start at one boundary.
 _BACK = 8
 
@@ -36,10 +40,12 @@ _BACK = 8
 @dataclass(frozen=True, slots=True)
 class Codec:
     """A tokenizer as the checks need it: decoding with special tokens kept, encoding without
-    adding any, one token's text, and which ids are special (a response's stop token)."""
+    adding any, encoding a prompt as a server does (its BOS added, where it has one), one
+    token's text, and which ids are special (a response's stop token)."""
 
     decode: Callable[[Sequence[int]], str]
     encode: Callable[[str], list[int]]
+    encode_prompt: Callable[[str], list[int]]
     special: frozenset[int]
 
     def piece(self, token: int | None) -> str | None:
@@ -59,7 +65,10 @@ def codec_for(tokenizer: Any) -> Codec:
         def encode_backend(text: str) -> list[int]:
             return list(backend.encode(text, add_special_tokens=False).ids)
 
-        return Codec(decode_backend, encode_backend, special)
+        def encode_prompt_backend(text: str) -> list[int]:
+            return list(backend.encode(text, add_special_tokens=True).ids)
+
+        return Codec(decode_backend, encode_backend, encode_prompt_backend, special)
 
     def decode_python(ids: Sequence[int]) -> str:
         return str(
@@ -71,7 +80,10 @@ def codec_for(tokenizer: Any) -> Codec:
     def encode_python(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
 
-    return Codec(decode_python, encode_python, special)
+    def encode_prompt_python(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=True))
+
+    return Codec(decode_python, encode_python, encode_prompt_python, special)
 
 
 def difference(
@@ -157,6 +169,42 @@ def call_drift(
     return found or None
 
 
+def full_prompt_texts(calls: Sequence[GenerateCall]) -> list[str | None]:
+    """Each call's whole text prompt, prefix sharing undone (None where it has none)."""
+    texts: list[str | None] = []
+    for call in calls:
+        prompt = call.prompt
+        text = prompt.text if isinstance(prompt.text, str) else None
+        shared = (prompt.prefix_len or {}).get("text")
+        if text is not None and prompt.prefix_call is not None and shared is not None:
+            ref = prompt.prefix_call
+            base = texts[ref] if 0 <= ref < len(texts) else None
+            first = calls[ref].outputs[0].text if base is not None and calls[ref].outputs else ""
+            context = None if base is None else base + (first if isinstance(first, str) else "")
+            text = None if context is None else context[:shared] + text
+        texts.append(text)
+    return texts
+
+
+def known_prompt_ids(
+    calls: Sequence[GenerateCall],
+    full: Sequence[Sequence[int] | None],
+    codecs: Sequence[Codec | None],
+) -> list[Sequence[int] | None]:
+    """The recorded prompt ids; for a completions call whose text prompt came back without
+    them, that text encoded as the server encodes it."""
+    known = list(full)
+    texts: list[str | None] | None = None
+    for position, call in enumerate(calls):
+        codec = codecs[position]
+        if known[position] is None and codec is not None and call.dialect == COMPLETIONS:
+            texts = full_prompt_texts(calls) if texts is None else texts
+            text = texts[position]
+            if text is not None:
+                known[position] = codec.encode_prompt(text)
+    return known
+
+
 def mark_drift(
     trajectory: Trajectory,
     full: Sequence[Sequence[int] | None],
@@ -167,6 +215,7 @@ def mark_drift(
     when some call could be checked). `full`: each call's full prompt ids (prefix sharing
     undone); `codecs`: each call's tokenizer, None where the model's is unknown."""
     calls = trajectory.calls
+    full = known_prompt_ids(calls, full, codecs)
     checked = drifting = 0
     for position, call in enumerate(calls):
         codec = codecs[position]
