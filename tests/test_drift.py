@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import html
+import io
 import json
 import re
 from pathlib import Path
@@ -26,6 +27,7 @@ from fakes import FakeVLLM
 from proxy_helpers import running_proxy, trajectories
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+from trace_proxy.show import show
 from trace_proxy.trajectories.drift import Codec, codec_for, prefix_drift, roundtrip_drift
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, RolloutKey, Trajectory
 from trace_proxy.trajectories.token2text import Token2Text, load_configured
@@ -151,6 +153,18 @@ def test_a_text_client_re_tokenizing_replies_is_marked_and_counted(
     assert trajectory["summary"]["drift_calls"] == TURNS
     assert drift_count(run.metrics, "prefix") == TURNS - 1
     assert drift_count(run.metrics, "roundtrip") == TURNS
+
+
+def test_show_prints_the_drift_marks(text_client: tuple[TextClientRun, Path]) -> None:
+    _, output = text_client
+    [trajectory] = trajectories(output)
+    out = io.StringIO()
+    assert show(output, out=out) == 0
+    shown = out.getvalue()
+    assert f"{TURNS} calls with retokenization drift" in shown
+    prefix = trajectory["calls"][0]["drift"]["prefix"]
+    first = token_shown(prefix["expected"], prefix["expected_text"])
+    assert f"~ prefix drift at {prefix['at']}: {first} -> " in shown
 
 
 def test_without_prompt_ids_the_text_prompt_is_encoded_as_the_server_does(
