@@ -1,5 +1,6 @@
 """The viewer in a real browser: headless Chromium (Debian's packages, driven by Selenium) walks
-the pages of a store the demo wrote, the way a new user would after `trace-proxy demo`.
+the pages of a store the demo wrote, the way a new user would after `trace-proxy demo`, and
+a run's drifting calls (a text client's real traffic, tests/drift_traffic.py).
 
 Screenshots of every page are kept in `$TRACE_PROXY_TEST_ARTIFACTS/ui-screenshots/` when that
 is set, else in pytest's temporary directory (`pytest-of-<user>/pytest-<n>/ui-screenshots0/`).
