@@ -10,7 +10,10 @@ calls, 1-3 parallel calls per turn, tool results of various sizes), assembled by
 own Assembler (so prompts are prefix-shared as in the store). One warm-up pass records which
 sequences Token2Text decodes (stored prompt suffixes, outputs, the transcript, the tool-result
 slices); then, in each round, both paths run on the same ids, in alternating order, and the
-median of the rounds is reported. Prints a markdown table; writes nothing.
+median of the rounds is reported. Token2Text runs twice: as the proxy runs it (decoding and
+the retokenization drift checks, trajectories/drift.py) and with decoding alone (a tokenizer
+added without its codec), so the drift checks' share is measured. Prints a markdown table;
+writes nothing.
 """
 
 from __future__ import annotations
@@ -164,18 +167,23 @@ def time_token2text(processor: Token2Text, specs: Sequence[CallSpec]) -> tuple[f
 
 
 def median_rounds(
-    rounds: int, bare: Callable[[], float], t2t: Callable[[], tuple[float, int]]
-) -> tuple[float, float, int]:
-    bare_times, t2t_times, spans = [], [], 0
+    rounds: int,
+    bare: Callable[[], float],
+    t2t: Callable[[], tuple[float, int]],
+    decode_only: Callable[[], tuple[float, int]],
+) -> tuple[float, float, float, int]:
+    """Median seconds of each path; each round runs them in another order (rotated)."""
+    paths: list[Callable[[], tuple[float, int]]] = [lambda: (bare(), 0), t2t, decode_only]
+    times: list[list[float]] = [[], [], []]
+    spans = 0
     for i in range(rounds):
-        if i % 2 == 0:
-            bare_times.append(bare())
-            elapsed, spans = t2t()
-        else:
-            elapsed, spans = t2t()
-            bare_times.append(bare())
-        t2t_times.append(elapsed)
-    return statistics.median(bare_times), statistics.median(t2t_times), spans
+        for k in range(3):
+            which = (i + k) % 3
+            elapsed, found = paths[which]()
+            times[which].append(elapsed)
+            spans = max(spans, found)
+    bare_s, t2t_s, decode_s = (statistics.median(t) for t in times)
+    return bare_s, t2t_s, decode_s, spans
 
 
 def main() -> None:
@@ -189,11 +197,20 @@ def main() -> None:
     specs = workload(args.trajectories, args.seed, load_qwen_tokenizer(), tok)
     sequences = decoded_sequences(specs, tokenizer_dir)
     tokens = sum(map(len, sequences))
-    processor = Token2Text(load_configured([tokenizer_dir], False), get_parser("hermes"))
-    bare, t2t, spans = median_rounds(
-        args.rounds, lambda: time_bare(tok, sequences), lambda: time_token2text(processor, specs)
+    configured = load_configured([tokenizer_dir], False)
+    processor = Token2Text(configured, get_parser("hermes"))
+    without_codec = Tokenizers()
+    decode = configured.for_model(None)
+    assert decode is not None and configured.codec_for_model(None) is not None
+    without_codec.add(None, decode)  # no codec: no drift checks
+    decoding_only = Token2Text(without_codec, get_parser("hermes"))
+    bare, t2t, decode_only, spans = median_rounds(
+        args.rounds,
+        lambda: time_bare(tok, sequences),
+        lambda: time_token2text(processor, specs),
+        lambda: time_token2text(decoding_only, specs),
     )
-    report(args, specs, sequences, tokens, bare, t2t, spans)
+    report(args, specs, sequences, tokens, bare, t2t, decode_only, spans)
 
 
 def cpu_model() -> str:
@@ -210,6 +227,7 @@ def report(
     tokens: int,
     bare: float,
     t2t: float,
+    decode_only: float,
     spans: int,
 ) -> None:
     n = args.trajectories
@@ -227,11 +245,20 @@ def report(
     )
     print("| path | seconds | decoded tokens/s | trajectory tokens/s | trajectories/s | time |")
     print("|---|---|---|---|---|---|")
-    for name, seconds in (("bare `tokenizers` decode", bare), ("`Token2Text.process`", t2t)):
+    for name, seconds in (
+        ("bare `tokenizers` decode", bare),
+        ("`Token2Text.process`, decoding only", decode_only),
+        ("`Token2Text.process` with drift checks (as run)", t2t),
+    ):
         print(
             f"| {name} | {seconds:.3f} | {tokens / seconds:,.0f} | {context / seconds:,.0f} "
             f"| {n / seconds:,.0f} | {seconds / bare:.2f}x |"
         )
+    per_call = (t2t - decode_only) / len(specs) * 1e6
+    print(
+        f"\nDrift checks: {t2t - decode_only:+.3f} s per pass, {per_call:+.0f} µs per call, "
+        f"{(t2t - decode_only) / decode_only:+.0%} of decoding alone."
+    )
     print(
         f"\nMachine: {os.cpu_count()} cores ({cpu_model()}), Python {platform.python_version()}, "
         f"tokenizers {version('tokenizers')}, transformers {version('transformers')}, "

@@ -1,5 +1,6 @@
 """The viewer in a real browser: headless Chromium (Debian's packages, driven by Selenium) walks
-the pages of a store the demo wrote, the way a new user would after `trace-proxy demo`.
+the pages of a store the demo wrote, the way a new user would after `trace-proxy demo`, and
+a run's drifting calls (a text client's real traffic, tests/drift_traffic.py).
 
 Screenshots of every page are kept in `$TRACE_PROXY_TEST_ARTIFACTS/ui-screenshots/` when that
 is set, else in pytest's temporary directory (`pytest-of-<user>/pytest-<n>/ui-screenshots0/`).
@@ -9,6 +10,9 @@ fails without it when `TRACE_PROXY_REQUIRE_BROWSER` is set (CI sets it).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import os
 import queue
 import re
@@ -23,6 +27,7 @@ from typing import Any
 
 import orjson
 import pytest
+from drift_traffic import TURNS, text_client_rollout
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.store.readers import iter_records
@@ -70,13 +75,13 @@ def demo_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return home / "traces"
 
 
-@pytest.fixture(scope="module")
-def viewer_url(demo_store: Path) -> Iterator[str]:
+@contextlib.contextmanager
+def served(store: Path) -> Iterator[str]:
     """`trace-proxy ui STORE --port 0 --tokenizer DIR`, as a user starts it; its URL from what
     it prints."""
     tokenizer = str(ensure_qwen_tokenizer())
     process = subprocess.Popen(
-        [sys.executable, "-m", "trace_proxy", "ui", str(demo_store), "--port", "0",
+        [sys.executable, "-m", "trace_proxy", "ui", str(store), "--port", "0",
          "--tokenizer", tokenizer],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -94,6 +99,20 @@ def viewer_url(demo_store: Path) -> Iterator[str]:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def viewer_url(demo_store: Path) -> Iterator[str]:
+    with served(demo_store) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def drift_store(qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store holding a text client's drifting trajectory (tests/drift_traffic.py)."""
+    output = tmp_path_factory.mktemp("ui-drift")
+    asyncio.run(text_client_rollout(qwen_tokenizer, output))
+    return output
 
 
 @pytest.fixture(scope="module")
@@ -277,3 +296,56 @@ def test_a_user_follows_one_prompt_across_training(
     assert f"sample {record['key']['sample_index']}" == sample
     last = record["calls"][-1]["outputs"][0]
     assert answer.startswith((last.get("response_text") or last.get("text") or "")[:200])
+
+
+def test_drifting_calls_are_listed_and_marked(
+    browser: object, drift_store: Path, shots: Path
+) -> None:
+    """From the run to its drifting calls, each with its first differing token, and from one
+    to its trajectory, where the drifting turn is marked."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    assert isinstance(browser, WebDriver)
+    driver = browser
+    wait = WebDriverWait(driver, WAIT)
+    [record] = [r for _, r in iter_records(drift_store) if r.get("record") == "trajectory"]
+    prefix = record["calls"][0]["drift"]["prefix"]
+    with served(drift_store) as url:
+        driver.get(url)
+        driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
+        notice = wait.until(ec.visibility_of_element_located((By.ID, "run-drift")))
+        assert notice.text.startswith("1 trajectories with drifting calls")
+        notice.find_element(By.TAG_NAME, "a").click()
+
+        wait.until(ec.presence_of_element_located((By.ID, "drift-list")))
+        rows = driver.find_elements(By.CSS_SELECTOR, "#drift-list tr.drift-row")
+        assert len(rows) == TURNS
+        marks = rows[0].find_elements(By.CSS_SELECTOR, ".drift-mark")
+        assert [m.get_attribute("data-kind") for m in marks] == ["prefix", "roundtrip"]
+        tokens = [t.text for t in marks[0].find_elements(By.CSS_SELECTOR, "code.token")]
+        assert tokens == [
+            f"{prefix['expected']} {json.dumps(prefix['expected_text'])}",
+            f"{prefix['got']} {json.dumps(prefix['got_text'])}",
+        ]
+        assert all(m.is_displayed() for m in marks)
+        assert driver.save_screenshot(str(shots / "08-drift.png"))
+        rows[0].find_element(By.TAG_NAME, "a").click()
+
+        wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
+        assert driver.current_url.endswith("#turn-0")
+        assert text_of(driver, "#traj-drift").startswith(f"{TURNS} drifting calls")
+        marked = driver.find_elements(By.CSS_SELECTOR, "section.turn.drifting")
+        assert [m.get_attribute("id") for m in marked] == [f"turn-{i}" for i in range(TURNS)]
+        first = driver.find_element(By.CSS_SELECTOR, "#turn-0 .drift-mark[data-kind=prefix]")
+        assert first.is_displayed() and f"at its token {prefix['at']}" in first.text
+        assert f"{prefix['got']} {json.dumps(prefix['got_text'])}" in first.text
+        assert driver.save_screenshot(str(shots / "09-drift-trajectory.png"))
+
+
+def text_of(driver: Any, css: str) -> str:
+    from selenium.webdriver.common.by import By
+
+    return str(driver.find_element(By.CSS_SELECTOR, css).text)

@@ -34,6 +34,12 @@ async def hostile(tmp_path: Path) -> AsyncIterator[tuple[TestClient, dict[str, s
         call(1, f"{EVIL} bye", prompt_ids=[6, 7], prefix_call=0, prefix_len=8,
              prompt_text=EVIL),
     ]  # fmt: skip
+    calls[0]["drift"] = {
+        "prefix": {"at": 6, "in": EVIL, "expected": 8, "got": 3, "expected_text": EVIL,
+                   "got_text": EVIL},
+        "roundtrip": {"output": 0, "at": EVIL, "expected": EVIL, "got": None,
+                      "expected_text": EVIL, "got_text": None},
+    }  # fmt: skip
     calls[1]["error"] = {"type": EVIL, "message": EVIL}
     calls[1]["model"] = EVIL
     tools = [{"index": 0, "kind": "tool", "observed": EVIL, "start": 100.6, "end": 100.9,
@@ -73,7 +79,7 @@ async def test_every_page_escapes_what_records_hold(
     pages = [
         "/", base + "/", base + "/step/1", base + f"/step/1?q={quote(EVIL)}&status=error",
         base + f"/t/{ids['first']}", base + f"/t/{ids['second']}",
-        base + f"/compare?id={ids['first']}&id={ids['second']}",
+        base + f"/compare?id={ids['first']}&id={ids['second']}", base + "/drift",
     ]  # fmt: skip
     for page in pages:
         response = await client.get(page)

@@ -371,6 +371,10 @@ class Settings:
     skip_special_tokens: bool = option(
         parse_flag, False, "drop special tokens from decoded text "
         "(kept by default, as verl does)", switch=True, commands=("serve", "demo"))
+    drift_check: bool = option(
+        parse_flag, True, "with token2text, mark calls whose token ids drift: the next "
+        "prompt leaves their prompt and response ids, or their response ids do not encode "
+        "back from their text (costs an encode of each response)", commands=("serve", "demo"))
     tool_parser: str = option(
         _tool_parser, "hermes", "how tool calls are written in decoded text: "
         "hermes (Qwen2.5/Qwen3), qwen3_coder or gpt_oss", metavar="NAME",

@@ -257,6 +257,16 @@ class ExportMetrics:
             ["reason"],
             registry=r,
         )
+        self.drift_calls = Counter(
+            "trace_proxy_retokenization_drift_calls",
+            "Calls whose token ids drift (token2text): the next prompt does not continue "
+            "their prompt and response ids (prefix), or their response ids do not survive "
+            "decoding and encoding again (roundtrip)",
+            ["kind"],
+            registry=r,
+        )
+        for kind in ("prefix", "roundtrip"):  # shown at 0 before the first drift
+            self.drift_calls.labels(kind)
         self.export_lag = Gauge(
             "trace_proxy_export_lag_seconds",
             "Age of the newest record a backend has exported, at the time it was exported "

@@ -14,6 +14,7 @@ an escape sequence in a project name is shown as `\x1b[...`, never acted on by t
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -201,6 +202,8 @@ def _trajectory_header(t: dict[str, Any]) -> str:
         part += f"; {outcome}"
     if summary.get("calls_dropped"):
         part += f"; {summary['calls_dropped']} more calls not recorded (capture fell behind)"
+    if summary.get("drift_calls"):
+        part += f"; {summary['drift_calls']} calls with retokenization drift"
     return (
         f"== {' · '.join(parts)}  [{t.get('status')}, closed: {t.get('close_reason')}{part}]  "
         f"{summary.get('calls', 0)} calls, {summary.get('prompt_tokens', 0)}+"
@@ -222,7 +225,17 @@ def _call_line(call: dict[str, Any], prompt: dict[str, Any], width: int) -> str:
     line = f"{head}  {asked} -> {answered}"
     if call.get("error"):
         line += f"  !! {call['error'].get('type')}: {_clip(call['error'].get('message', ''), 80)}"
+    for kind, found in (call.get("drift") or {}).items():
+        if isinstance(found, dict):
+            line += f"  ~ {kind} drift at {found.get('at')}: {_token(found, 'expected')} -> "
+            line += _token(found, "got")
     return line
+
+
+def _token(found: dict[str, Any], which: str) -> str:
+    """A drift mark's token: its id and its text, quoted (escaped with the line later)."""
+    text = found.get(f"{which}_text")
+    return f"{found.get(which)} {_clip(json.dumps(text), 40) if text is not None else ''}".strip()
 
 
 def _tool_line(tool: dict[str, Any], width: int) -> str:

@@ -92,6 +92,8 @@ async def _create_runner(
             tokenizers,
             get_parser(settings.tool_parser),
             on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
+            on_drift=lambda kind: metrics.drift_calls.labels(kind).inc(),
+            check_drift=settings.drift_check,
         )
         runner.add_processor(token2text)
     return runner, token2text

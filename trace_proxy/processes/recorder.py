@@ -238,6 +238,8 @@ class Recorder:
             tokenizers,
             get_parser(settings.tool_parser),
             on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
+            on_drift=lambda kind: metrics.drift_calls.labels(kind).inc(),
+            check_drift=settings.drift_check,
         )
         self._inline.add_processor(self.token2text)
         self.inference.tokenizers = self.token2text.tokenizers

@@ -14,6 +14,7 @@ import os
 
 import aiohttp
 
+from trace_proxy.trajectories.drift import codec_for
 from trace_proxy.trajectories.token2text import (
     TokenizerError,
     Tokenizers,
@@ -75,7 +76,9 @@ async def discover_tokenizers(
                 except TokenizerError as exc:
                     log.error("token2text: %s", exc)
                     continue
-                tokenizers.add(name, decoder_for(tokenizer, skip_special_tokens))
+                tokenizers.add(
+                    name, decoder_for(tokenizer, skip_special_tokens), codec_for(tokenizer)
+                )
                 log.info("token2text: decoding %r with the tokenizer of %s", name, path)
         if pending:
             await asyncio.sleep(retry_every)

@@ -160,6 +160,9 @@ class GenerateCall:
     request_headers: dict[str, str] | None = field(default_factory=dict)
     prompt_text: str | None = None  # token2text: the decoded prompt.token_ids (as stored)
     segments: list[dict[str, Any]] | None = None  # HTTP calls merged into this one (resumed)
+    # token2text: where the ids trained on leave the ids generated (drift.py); None: no drift
+    # found, or nothing could be checked.
+    drift: dict[str, Any] | None = None
     kind: Literal["generate"] = "generate"
 
 

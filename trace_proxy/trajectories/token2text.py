@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from trace_proxy.trajectories.drift import Codec, codec_for, mark_drift
 from trace_proxy.trajectories.prompts import full_token_ids, pieces_text
 from trace_proxy.trajectories.record import Record, Trajectory, ids_list
 from trace_proxy.trajectories.toolparsers import ToolCallParser
@@ -69,21 +70,22 @@ def decoder_for(tokenizer: Any, skip_special_tokens: bool) -> Decode:
 
 
 class Tokenizers:
-    """Which decoder serves which model: one per served model name, or one for all."""
+    """Which decoder serves which model: one per served model name, or one for all; and the
+    same tokenizer as a `Codec` for the drift checks, where it was added with one."""
 
     def __init__(self) -> None:
-        self._by_model: dict[str, Decode] = {}
-        self._default: Decode | None = None
+        self._by_model: dict[str, tuple[Decode, Codec | None]] = {}
+        self._default: tuple[Decode, Codec | None] | None = None
         self._lock = threading.Lock()  # discovery adds while the export thread reads
 
-    def add(self, model: str | None, decode: Decode) -> None:
+    def add(self, model: str | None, decode: Decode, codec: Codec | None = None) -> None:
         with self._lock:
             if model is None:
-                self._default = decode
+                self._default = (decode, codec)
             else:
-                self._by_model[model] = decode
+                self._by_model[model] = (decode, codec)
 
-    def for_model(self, model: str | None) -> Decode | None:
+    def _entry(self, model: str | None) -> tuple[Decode, Codec | None] | None:
         with self._lock:
             if model is not None and model in self._by_model:
                 return self._by_model[model]
@@ -92,6 +94,14 @@ class Tokenizers:
             if len(self._by_model) == 1:  # one served model under any name
                 return next(iter(self._by_model.values()))
             return None
+
+    def for_model(self, model: str | None) -> Decode | None:
+        entry = self._entry(model)
+        return None if entry is None else entry[0]
+
+    def codec_for_model(self, model: str | None) -> Codec | None:
+        entry = self._entry(model)
+        return None if entry is None else entry[1]
 
     @property
     def empty(self) -> bool:
@@ -125,12 +135,15 @@ def load_configured(sources: list[str], skip_special_tokens: bool) -> Tokenizers
         if not eq or os.path.exists(source):
             model, path = "", source
         tokenizer = load_tokenizer(path)
-        tokenizers.add(model or None, decoder_for(tokenizer, skip_special_tokens))
+        tokenizers.add(
+            model or None, decoder_for(tokenizer, skip_special_tokens), codec_for(tokenizer)
+        )
     return tokenizers
 
 
 class Token2Text:
-    """Pipeline processor: fills prompt_text, response_text, transcript and text tool spans."""
+    """Pipeline processor: fills prompt_text, response_text, transcript and text tool spans,
+    and marks retokenization drift (drift.py; `on_drift` is told each drifting call's kinds)."""
 
     name = "token2text"
 
@@ -139,10 +152,14 @@ class Token2Text:
         tokenizers: Tokenizers,
         tool_parser: ToolCallParser,
         on_skip: Callable[[str], None] | None = None,
+        on_drift: Callable[[str], None] | None = None,
+        check_drift: bool = True,
     ) -> None:
         self.tokenizers = tokenizers
         self._parser = tool_parser
         self._on_skip = on_skip
+        self._on_drift = on_drift
+        self._check_drift = check_drift
 
     @property
     def inactive(self) -> bool:
@@ -177,6 +194,10 @@ class Token2Text:
                 if output.token_ids:
                     output.response_text = decode(output.token_ids)
         full = full_token_ids(calls)
+        if self._check_drift:
+            codecs = [self.tokenizers.codec_for_model(call.model) for call in calls]
+            if any(codecs):
+                mark_drift(trajectory, full, codecs, self._on_drift)
         for position in range(len(calls) - 1, -1, -1):
             decode, ids = decoders[position], full[position]
             if decode is not None and ids is not None:

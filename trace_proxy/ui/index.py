@@ -68,6 +68,7 @@ class Entry:
     completion_tokens: int
     finish: str | None  # the last call's first output's finish reason
     calls_dropped: int
+    drift: int = 0  # calls whose token ids drift (retokenization; the record's `drift`)
     annotated: bool = False  # reward, score or labels came from a later annotation
     trajectory_id: str | None = None  # the key's, when the client gave one
     prompt_hash: str | None = None  # `prompt_hash` of its first call: the same sample at any step
@@ -175,6 +176,7 @@ class Run:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     errors: int = 0
+    drift: int = 0  # trajectories with drifting calls
 
     @property
     def ref(self) -> tuple[int, str, str]:
@@ -189,7 +191,7 @@ class Run:
         self.files, self.steps, self.by_id, self.pending, self.events = {}, {}, {}, {}, []
         self.by_trajectory, self.by_prompt, self.replays = {}, {}, {}
         self.unreadable = self.calls = self.prompt_tokens = self.completion_tokens = 0
-        self.errors = 0
+        self.errors = self.drift = 0
 
     def time_span(self) -> tuple[float, float] | None:
         starts = [s.stats.start for s in self.steps.values() if s.stats.trajectories]
@@ -426,6 +428,7 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         completion_tokens=completion,
         finish=None if finish is None else sys.intern(finish),
         calls_dropped=_int(summary.get("calls_dropped")),
+        drift=_int(summary.get("drift_calls")) or sum(1 for c in calls if c.get("drift")),
         trajectory_id=_str_or_none(key.get("trajectory_id")),
         prompt_hash=prompt_hash(calls[0]) if calls else None,
     )
@@ -487,6 +490,7 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
     run.prompt_tokens += _int(summary.get("prompt_tokens"))
     run.completion_tokens += entry.completion_tokens
     run.errors += entry.status != "ok"
+    run.drift += entry.drift > 0
 
 
 def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
@@ -494,9 +498,11 @@ def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
     run.by_id[other.id] = first
     step.stats.add(first, -1)
     first.others = (*first.others, other)
+    run.drift -= first.drift > 0
     for name in ("calls", "errors", "tool_calls", "tool_errors", "prompt_tokens",
-                 "completion_tokens", "calls_dropped"):  # fmt: skip
+                 "completion_tokens", "calls_dropped", "drift"):  # fmt: skip
         setattr(first, name, getattr(first, name) + getattr(other, name))
+    run.drift += first.drift > 0
     first.start, first.end = min(first.start, other.start), max(first.end, other.end)
     if first.status == "ok":
         first.status = other.status

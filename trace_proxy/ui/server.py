@@ -37,6 +37,7 @@ STEPS_PER_PAGE = 25  # of one prompt's history: two records read per step shown
 DASH = "\u2013"  # shown for a missing value
 MAX_COMPARED = 8
 MAX_REPLAYS = 20  # replays of a trajectory linked from its page
+DRIFT_PER_PAGE = 100  # trajectories whose records the drift list reads for one page
 STATIC = {  # every file the viewer serves besides its pages: fixed names, no path from a URL
     "viewer.css": "text/css",
     "viewer.js": "text/javascript",
@@ -103,7 +104,7 @@ def _environment() -> jinja2.Environment:
     )
     env.filters.update(
         marked=views.marked, num=_num, when=_when, secs=_secs, step_name=step_name,
-        message_text=views.message_text, json=_json_text,
+        message_text=views.message_text, json=_json_text, quoted=_quoted,
     )  # fmt: skip
     env.globals.update(
         run_url=run_url, trajectory_url=trajectory_url, urlencode=urlencode, sorts=SORTS,
@@ -134,6 +135,7 @@ class Viewer:
         app.router.add_get(base + "/t", self.by_query)  # ?id=, see trajectory_url
         app.router.add_get(base + "/compare", self.compare_page)
         app.router.add_get(base + "/prompt/{hash}", self.prompt_page)
+        app.router.add_get(base + "/drift", self.drift_page)
         return app
 
     @web.middleware
@@ -395,6 +397,39 @@ class Viewer:
             page=page, pages=pages,
         )  # fmt: skip
 
+    async def drift_page(self, request: web.Request) -> web.Response:
+        """The run's drifting calls (retokenization drift), each with its first differing
+        token: trajectories in step order, a page of them at a time, each record read again."""
+        await self._refreshed()
+        with self.index.lock:
+            run = self._run(request)
+            entries = [
+                entry
+                for key in run.step_keys()
+                for entry in sorted(run.steps[key].entries, key=lambda e: e.start)
+                if entry.drift
+            ]
+            drifting = sum(entry.drift for entry in entries)
+        pages = max(1, math.ceil(len(entries) / DRIFT_PER_PAGE))
+        page = min(max(1, int(_float_arg(request.query.get("page")) or 1)), pages)
+        shown = entries[(page - 1) * DRIFT_PER_PAGE : page * DRIFT_PER_PAGE]
+
+        def read() -> list[views.DriftingCall]:
+            found = []
+            for entry in shown:
+                try:
+                    records = self._read_parts(entry)
+                except (OSError, ValueError):  # a line gone or changed since it was indexed
+                    continue
+                found.extend(views.drifting_calls(entry, joined(records)))
+            return found
+
+        rows = await asyncio.to_thread(read)
+        return self._render(
+            "drift.html", run=run, rows=rows, trajectories=len(entries), calls=drifting,
+            page=page, pages=pages,
+        )  # fmt: skip
+
     async def generation(self, request: web.Request) -> web.Response:
         return web.json_response({"generation": await self._refreshed()})
 
@@ -424,7 +459,7 @@ def _run_row(run: Run) -> dict[str, Any]:
         "validation_steps": len(run.steps) - len(train), "trajectories": run.trajectories,
         "calls": run.calls, "prompt_tokens": run.prompt_tokens,
         "completion_tokens": run.completion_tokens, "errors": run.errors,
-        "events": len(run.events), "unreadable": run.unreadable,
+        "events": len(run.events), "unreadable": run.unreadable, "drift": run.drift,
         "start": span[0] if span else None, "end": span[1] if span else None,
     }  # fmt: skip
 
@@ -557,6 +592,11 @@ def _when(value: Any) -> str:
 
 def _secs(value: Any) -> str:
     return DASH if not isinstance(value, (int, float)) else f"{value:.2f}s"
+
+
+def _quoted(value: Any) -> str:
+    """A token's text as a JSON string: quoted, its spaces and line breaks visible."""
+    return DASH if value is None else orjson.dumps(str(value)).decode()
 
 
 def _json_text(value: Any) -> str:

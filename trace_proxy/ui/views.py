@@ -52,6 +52,68 @@ class Output:
 
 
 @dataclass
+class Drift:
+    """One drift check that failed on a call: where the ids first differ, and the two tokens."""
+
+    kind: str  # prefix: the next prompt leaves this call's ids; roundtrip: decode + encode
+    at: int | None  # position in the next prompt (prefix) or in the output's ids (roundtrip)
+    part: str | None  # prefix: "response" or "prompt", where in this call's ids it lies
+    output: int | None  # roundtrip: which output
+    expected: int | None  # the token generated (or sent before)
+    got: int | None  # the token in its place
+    expected_text: str | None
+    got_text: str | None
+
+    @property
+    def summary(self) -> str:
+        if self.kind == "prefix":
+            return f"the next prompt leaves this call's {self.part or 'ids'} at its token {self.at}"
+        return f"output {self.output}: decoding and encoding changes token {self.at}"
+
+
+def drifts_of(call: dict[str, Any]) -> list[Drift]:
+    """A stored call's failed drift checks, in a fixed order (prefix, then roundtrip)."""
+    found = as_dict(call.get("drift"))
+    marks = []
+    for kind in ("prefix", "roundtrip"):
+        item = found.get(kind)
+        if isinstance(item, dict):
+            marks.append(
+                Drift(
+                    kind=kind,
+                    at=_int_or_none(item.get("at")),
+                    part=_str(item.get("in")),
+                    output=_int_or_none(item.get("output")),
+                    expected=_int_or_none(item.get("expected")),
+                    got=_int_or_none(item.get("got")),
+                    expected_text=_str(item.get("expected_text")),
+                    got_text=_str(item.get("got_text")),
+                )
+            )
+    return marks
+
+
+@dataclass
+class DriftingCall:
+    """A drifting call for the run's drift list: its trajectory, turn and marks."""
+
+    entry: Entry
+    turn: int  # position in the trajectory (turn - 1 on the page)
+    call: int | None  # the call's index
+    marks: list[Drift]
+
+
+def drifting_calls(entry: Entry, record: dict[str, Any]) -> list[DriftingCall]:
+    calls = [c for c in record.get("calls") or [] if isinstance(c, dict)]
+    found = []
+    for position, call in enumerate(calls):
+        marks = drifts_of(call)
+        if marks:
+            found.append(DriftingCall(entry, position, _int_or_none(call.get("index")), marks))
+    return found
+
+
+@dataclass
 class Turn:
     index: int
     call: dict[str, Any]
@@ -62,6 +124,7 @@ class Turn:
     tools: list[dict[str, Any]]  # spans this call asked for
     error: dict[str, Any] | None
     unparsed: str | None
+    drift: list[Drift] = field(default_factory=list)
 
     @property
     def spanned_ids(self) -> set[str]:
@@ -179,6 +242,7 @@ def _turn(
         tools=tools,
         error=call.get("error") if isinstance(call.get("error"), dict) else None,
         unparsed=_str(call.get("unparsed")),
+        drift=drifts_of(call),
     )
 
 
@@ -371,3 +435,7 @@ def _opt(value: Any, t0: float) -> float | None:
 
 def _str(value: Any) -> str | None:
     return None if value is None else str(value)
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None

@@ -29,7 +29,8 @@ class SimulatedVLLM(ChatRoutes, CompletionsRoutes, GenerateRoutes, ControlRoutes
     chunks), `error_after_chunks` (after N data chunks send vLLM's mid-stream error event and
     `[DONE]`; non-streaming requests then fail with a 500), `tool_call_parser` ("hermes" as
     with `--enable-auto-tool-choice --tool-call-parser hermes`, None for no tool parsing),
-    `api_key` (Bearer check on `/v1` and `/inference`), `max_model_len`.
+    `api_key` (Bearer check on `/v1` and `/inference`), `max_model_len`, `split_words` (answers
+    whose token ids do not survive re-tokenization, see `TextModel`).
 
     Inspect `requests` (every request received), `aborted` / `wait_aborted()` (client
     disconnects), `engine.weight_version` and `engine.paused`.
@@ -47,6 +48,7 @@ class SimulatedVLLM(ChatRoutes, CompletionsRoutes, GenerateRoutes, ControlRoutes
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
         tool_call_parser: str | None = "hermes",
         api_key: str | None = None,
+        split_words: bool = False,
     ) -> None:
         super().__init__(
             tokenizer,
@@ -56,6 +58,7 @@ class SimulatedVLLM(ChatRoutes, CompletionsRoutes, GenerateRoutes, ControlRoutes
             keepalive_comments=keepalive_comments,
             error_after_chunks=error_after_chunks,
             max_model_len=max_model_len,
+            split_words=split_words,
         )
         self.tool_call_parser = tool_call_parser
         self.api_key = api_key

@@ -77,11 +77,18 @@ class SampleParams:
 
 
 class TextModel:
-    """The tokenizer plus a deterministic answer generator, with caches for the hot path."""
+    """The tokenizer plus a deterministic answer generator, with caches for the hot path.
 
-    def __init__(self, tokenizer: Any, max_model_len: int = DEFAULT_MAX_MODEL_LEN) -> None:
+    `split_words`: answers carry each longer word as two tokens where the tokenizer has both
+    pieces, as a sampled model sometimes does: ids whose text encodes back to other ids (what
+    a client re-tokenizing the reply would change)."""
+
+    def __init__(
+        self, tokenizer: Any, max_model_len: int = DEFAULT_MAX_MODEL_LEN, split_words: bool = False
+    ) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
+        self.split_words = split_words
         self.eos_id: int = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.special_ids = frozenset(int(i) for i in tokenizer.added_tokens_decoder)
         self._backend = tokenizer.backend_tokenizer
@@ -99,6 +106,22 @@ class TextModel:
 
     def _token_text(self, token_id: int) -> str:
         return str(self._backend.decode([token_id], skip_special_tokens=False))
+
+    def _pieces(self, token_id: int) -> tuple[int, ...]:
+        """A word token as two tokens of the vocabulary that spell it (split near its middle),
+        else itself."""
+        name = self._backend.id_to_token(token_id)
+        if token_id in self.special_ids or name is None or len(name) < 6 or not name.isalpha():
+            return (token_id,)
+        middle = len(name) // 2
+        for cut in sorted(range(2, len(name) - 1), key=lambda c: abs(c - middle)):
+            first, second = (
+                self._backend.token_to_id(name[:cut]),
+                self._backend.token_to_id(name[cut:]),
+            )
+            if first is not None and second is not None:
+                return (first, second)
+        return (token_id,)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
@@ -225,6 +248,8 @@ class TextModel:
     def _sample(self, plan: str, params: SampleParams, seed: int) -> Sample:
         """Token ids, per-token text and finish state for a planned answer."""
         ids = list(self.encode(plan, False))
+        if self.split_words:
+            ids = [piece for token in ids for piece in self._pieces(token)]
         if params.ignore_eos:  # keep "talking" until max_tokens
             filler = self.encode(" " + _SENTENCES[seed % len(_SENTENCES)], False)
             while len(ids) < params.max_tokens:

@@ -86,12 +86,13 @@ class SimulatedServer:
         keepalive_comments: bool = False,
         error_after_chunks: int | None = None,
         max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+        split_words: bool = False,
     ) -> None:
         self.model = model
         self.deterministic = deterministic
         self.keepalive_comments = keepalive_comments
         self.error_after_chunks = error_after_chunks
-        self.text = TextModel(tokenizer, max_model_len)
+        self.text = TextModel(tokenizer, max_model_len, split_words)
         self.engine = Engine(token_delay)
         self.requests: list[RecordedRequest] = []
         self.abort_log = AbortLog()
