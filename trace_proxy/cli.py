@@ -1,4 +1,4 @@
-"""`trace-proxy serve | demo | show | ui`: the command line, assembled from the declared options."""
+"""`trace-proxy serve | demo | show | ui | export`: the command line, from the declared options."""
 
 from __future__ import annotations
 
@@ -66,9 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
     show.add_argument("--width", type=int, default=100, help="characters of text per call line")
 
+    from trace_proxy.dataset.command import add_export_command
     from trace_proxy.ui.command import add_ui_command
 
     add_ui_command(commands)
+    add_export_command(commands)
     return parser
 
 
@@ -83,6 +85,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s")
         return run_ui_command(args)
+    if command == "export":
+        from trace_proxy.dataset.command import run_export_command
+
+        return run_export_command(args)
     if command == "show":
         from trace_proxy.show import show
 

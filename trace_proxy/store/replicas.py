@@ -50,6 +50,27 @@ def merged_summary(summaries: Iterable[dict[str, Any]]) -> dict[str, Any] | None
     return merged
 
 
+def one_per_trajectory(stored: Iterable[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A run's records (each with the store directory it was read from) with the records of
+    one trajectory that several stores wrote (its calls reached several proxies under one id)
+    as one (`joined`), in the order first seen; a store's own parts stay parts."""
+    by_id: dict[tuple[Any, ...], dict[Path, dict[str, Any]]] = {}
+    records: list[dict[str, Any] | tuple[Any, ...]] = []
+    for directory, record in stored:
+        key = record.get("key") or {}
+        if record.get("record") != "trajectory" or not key.get("trajectory_id"):
+            records.append(record)
+            continue
+        name = (key.get("project"), key.get("experiment"), bool(key.get("validate")),
+                key.get("step"), key["trajectory_id"], record.get("part", 1))  # fmt: skip
+        found = by_id.setdefault(name, {})
+        if not found:
+            records.append(name)
+        if directory not in found:
+            found[directory] = record
+    return [joined(list(by_id[r].values())) if isinstance(r, tuple) else r for r in records]
+
+
 def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 

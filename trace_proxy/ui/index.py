@@ -29,7 +29,13 @@ from typing import Any
 import orjson
 
 from trace_proxy.store.annotations import merged_outcome
-from trace_proxy.store.readers import directory_value, jsonl_files, open_no_link, runs
+from trace_proxy.store.readers import (
+    directory_value,
+    group_name,
+    jsonl_files,
+    open_no_link,
+    runs,
+)
 from trace_proxy.store.replicas import merged_summary, store_roots
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
@@ -365,12 +371,7 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
     calls = [c for c in record.get("calls") or [] if isinstance(c, dict)]
     tools = [t for t in record.get("tools") or [] if isinstance(t, dict)]
     sample = _int_or_none(key.get("sample_index"))
-    if sample is not None:
-        group = f"sample {sample}"
-    elif isinstance(key.get("sample_hash"), str):
-        group = f"hash {key['sample_hash'][:NAME_CAP]}"
-    else:
-        group = f"trajectory {ident[:NAME_CAP]}"
+    group = group_name(key, ident)[: NAME_CAP + 16]
     finish = None
     if calls:
         outputs = calls[-1].get("outputs") or []
