@@ -7,7 +7,8 @@ agents through `/v1/completions` (tool calls in the decoded text, results as Cha
 rewarded with `done` while open; a chat agent without token ids and its twin (the same
 question) with them; a validation rollout. Every chat rollout, closed by a `done` posted when
 it answered, gets its reward after its record was written (late), posted to both proxies as a
-trainer that does not know which holds it would. What the agents sent and got back is kept,
+trainer that does not know which holds it would (the one on both proxies: to the proxy of its
+later turns only). What the agents sent and got back is kept,
 to compare the export with.
 """
 
@@ -179,6 +180,9 @@ async def make_store(output: Path, tokenizer: Any, tokenizer_dir: str) -> Sent:
             sent.rewards[key] = round(0.1 * sample + 0.01 * rollout + 0.001 * step, 6)
             named = {"trajectory_id": "both-proxies"} if key == (1, 2, 0, False) else {}
             body = {**target(key, named), "reward": sent.rewards[key], "labels": {"judge": "late"}}
-            for admin in admin_of.values():  # the trainer does not know which proxy holds it
+            # The trainer does not know which proxy holds a trajectory, so it asks both; the
+            # one whose turns went to both is rewarded through the proxy of its later turns.
+            admins = [admin_of[proxy_b]] if named else list(admin_of.values())
+            for admin in admins:
                 await reward(session, admin, body)
     return sent

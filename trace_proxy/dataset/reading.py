@@ -3,9 +3,9 @@
 A store's runs are listed by `store/readers.py` (an output with replicas read as one store,
 its runs grouped by name), and each step is read across every directory of its run at once: a
 trajectory whose calls reached several proxies is joined (`replicas.one_per_trajectory`) and a
-late reward, an annotation in its step's file, is merged (`annotations.apply_annotations`). So
-an export holds one step's records at a time, never the whole store. Which trajectories it
-takes is a `Selection`; what it leaves out is counted by reason in a `Tally`.
+late reward, an annotation in its step's file, is merged (`annotations.apply_annotations`). An
+export holds one step's record heads at a time and one whole record, never a step's records.
+Which trajectories it takes is a `Selection`; what it leaves out is counted in a `Tally`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,22 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from trace_proxy.store.annotations import apply_annotations
-from trace_proxy.store.readers import directory_value, file_records, jsonl_files, runs
-from trace_proxy.store.replicas import one_per_trajectory, store_roots
+from trace_proxy.store.readers import (
+    directory_value,
+    file_lines,
+    jsonl_files,
+    line_at,
+    runs,
+)
+from trace_proxy.store.replicas import joined, one_per_trajectory, store_roots
 
 VALIDATION = ("exclude", "include", "only")  # what `--validation` takes
 STATUSES = ("ok", "error", "any")  # what `--status` takes
@@ -190,23 +198,51 @@ def step_files(store: Path, selection: Selection, tally: Tally | None = None) ->
     )  # fmt: skip
 
 
-def step_trajectories(files: StepFiles, selection: Selection, tally: Tally) -> list[dict[str, Any]]:
-    """The trajectories of one step the selection takes, replicas' parts joined and late rewards
-    merged, by sample and rollout."""
-    stored = [(path.parent, record) for path in files.paths for record in file_records(path)]
-    records = one_per_trajectory(stored)
-    apply_annotations(records)
+HEAD = ("record", "id", "key", "part", "start", "end", "status", "reward", "score", "labels")
+
+
+def step_trajectories(
+    files: StepFiles, selection: Selection, tally: Tally
+) -> Iterator[dict[str, Any]]:
+    """The trajectories of one step the selection takes, by sample and rollout: late rewards
+    merged into the records they name, then a trajectory's parts from several replicas joined.
+
+    Like the viewer's index, only each record's head and where its line is are kept while the
+    step is chosen and ordered; each taken record is read again as it is yielded, so memory
+    holds one step's heads and one record, not the step (a GB of JSON at 32k-token prompts)."""
+    stored: list[tuple[Path, dict[str, Any]]] = []
+    lines: dict[str, tuple[Path, int, int]] = {}
+    for path in files.paths:
+        for offset, line in file_lines(path):
+            record = orjson.loads(line)
+            if record.get("record") == "trajectory" and isinstance(record.get("id"), str):
+                lines.setdefault(record["id"], (path, offset, len(line)))
+                record = {name: record.get(name) for name in HEAD}
+            stored.append((path.parent, record))
+    apply_annotations(record for _, record in stored)  # onto each part, whichever replica's
     taken = []
-    for record in records:
-        if record.get("record") != "trajectory":
+    for head in one_per_trajectory(stored):
+        if head.get("record") != "trajectory" or head.get("id") not in lines:
             continue
-        reason = selection.left_out_by(record)
+        reason = selection.left_out_by(head)
         if reason is None:
-            taken.append(record)
+            taken.append(head)
         else:
             tally.left_out[reason] += 1
     tally.taken += len(taken)
-    return sorted(taken, key=_position)
+    for head in sorted(taken, key=_position):
+        parts = [_read(lines[i], i) for i in head.get("parts") or [head["id"]] if i in lines]
+        record = joined(parts)
+        record.update({name: head.get(name) for name in ("reward", "score", "labels")})
+        yield record
+
+
+def _read(place: tuple[Path, int, int], ident: str) -> dict[str, Any]:
+    """A record read again where it was found (the same line: files are only appended to)."""
+    record: dict[str, Any] = orjson.loads(line_at(*place))
+    if record.get("id") != ident:
+        raise SelectionError(f"{place[0]} changed while it was read (rewritten, not appended)")
+    return record
 
 
 def _run_values(directories: Sequence[Path]) -> tuple[str, str]:

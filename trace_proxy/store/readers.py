@@ -86,17 +86,27 @@ def run_records(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     """The complete records of one run directory, file by file in name order."""
     for name, _ in jsonl_files(directory):
         path = directory / name
-        for record in file_records(path):
-            yield path, record
+        for _, line in file_lines(path):
+            yield path, orjson.loads(line)
 
 
-def file_records(path: Path) -> Iterator[dict[str, Any]]:
-    """The complete records of one file of a run directory (found by `jsonl_files`)."""
+def file_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """The complete, non-blank lines of one file of a run directory (found by `jsonl_files`),
+    without their newline, each with its byte offset: where `line_at` reads it again."""
     with open_no_link(path) as handle:
-        data = handle.read()
-    for line in data.split(b"\n")[:-1]:
-        if line.strip():
-            yield orjson.loads(line)
+        offset = 0
+        for line in handle:
+            if not line.endswith(b"\n"):
+                return  # a torn last line: no record
+            if line.strip():
+                yield offset, line[:-1]
+            offset += len(line)
+
+
+def line_at(path: Path, offset: int, length: int) -> bytes:
+    """`length` bytes of a store's file from `offset`: a line read again where it was found."""
+    with open_no_link(path) as handle:
+        return os.pread(handle.fileno(), length, offset)
 
 
 def group_name(key: Mapping[str, Any], record_id: str) -> str:

@@ -79,7 +79,8 @@ def joined(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One trajectory from the records several proxies wrote of it (a client whose router is
     not sticky sent its calls to more than one, under one trajectory id): every call with its
     whole prompt (prefix sharing is per record), in the order the calls started, tool spans
-    pointing at them, times and counts combined, the parts' ids in `parts`."""
+    pointing at them, times and counts combined, the first reward and score given, the labels
+    added up, the parts' ids in `parts`."""
     if len(parts) == 1:
         return parts[0]
     ordered = sorted(parts, key=lambda part: _number(part.get("start")))
@@ -116,6 +117,8 @@ def joined(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
     for name in ("reward", "score"):
         record[name] = next((p[name] for p in ordered if p.get(name) is not None), None)
+    labels = [p["labels"] for p in ordered if isinstance(p.get("labels"), dict)]
+    record["labels"] = {k: v for given in labels for k, v in given.items()}
     return record
 
 

@@ -33,6 +33,7 @@ from trace_proxy.store.readers import (
     directory_value,
     group_name,
     jsonl_files,
+    line_at,
     open_no_link,
     runs,
 )
@@ -316,8 +317,7 @@ class StoreIndex:
 
     def read_line(self, entry: Entry) -> bytes:
         """The stored line of `entry`, read again from its file."""
-        with open_no_link(self.files[entry.file]) as handle:
-            return os.pread(handle.fileno(), entry.length, entry.offset)
+        return line_at(self.files[entry.file], entry.offset, entry.length)
 
     def read_record(self, entry: Entry) -> dict[str, Any]:
         """The stored record of `entry` with what later annotations changed applied."""
