@@ -4,10 +4,17 @@ agents sent and got (tests/dataset_workload.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import itertools
 import json
+import os
+import pty
+import shutil
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +26,12 @@ datasets = pytest.importorskip("datasets")
 from dataset_workload import Sent, make_store  # noqa: E402
 
 from trace_proxy.dataset.build import write_dataset  # noqa: E402
-from trace_proxy.dataset.reading import Selection, SelectionError, StepRange  # noqa: E402
+from trace_proxy.dataset.reading import (  # noqa: E402
+    UNREADABLE,
+    Selection,
+    SelectionError,
+    StepRange,
+)
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer  # noqa: E402
 
 Key = tuple[int, int, int, bool]
@@ -193,6 +205,43 @@ def test_several_files_read_as_one_dataset_in_order(
     assert len(list((tmp_path / "parts").glob("part-*.parquet"))) == -(-len(whole) // 4) > 2
     assert parts == whole
     assert not list((tmp_path / "parts").glob(".*"))  # no partial file left
+
+
+def test_a_line_that_is_not_a_record_is_passed_over_and_counted(
+    store: tuple[Path, Sent], tmp_path: Path
+) -> None:
+    output, sent = store
+    copy = tmp_path / "traces"
+    shutil.copytree(output, copy)
+    step_file = next(copy.glob("replicas/a/*/*/step-000002.jsonl"))
+    with step_file.open("ab") as handle:
+        handle.write(b'{"record": "trajectory", "id": \n[1, 2]\n')
+    written = write_dataset(copy, tmp_path / "out", "sft", Selection())
+    assert written.rows == len([k for k in [*sent.messages, *sent.turns] if not k[3]])
+    assert written.tally.notes[UNREADABLE] == 2
+    assert "2 lines of the store that are not records" in written.tally.describe()
+
+
+def test_the_progress_bar_shows_on_a_terminal_only(
+    store: tuple[Path, Sent], tmp_path: Path
+) -> None:
+    output, _ = store
+    args = [sys.executable, "-m", "trace_proxy", "export", str(output), "--form", "rl"]
+    quiet = subprocess.run([*args, "--out", str(tmp_path / "a")], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    assert quiet.returncode == 0 and quiet.stderr == ""
+    terminal, other = pty.openpty()
+    fcntl.ioctl(other, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 100 columns
+    with os.fdopen(terminal, "rb") as screen:
+        shown = subprocess.run([*args, "--out", str(tmp_path / "b")], stdout=subprocess.DEVNULL,
+                               stderr=other, timeout=120)  # fmt: skip
+        os.close(other)
+        drawn = b""
+        with contextlib.suppress(OSError):  # EIO once the writer is gone and all is read
+            while chunk := screen.read1(4096):
+                drawn += chunk
+    assert shown.returncode == 0
+    assert b"export rl" in drawn and b"B/s" in drawn
 
 
 def trace_proxy(*args: str) -> subprocess.CompletedProcess[str]:

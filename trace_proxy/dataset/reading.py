@@ -198,6 +198,7 @@ def step_files(store: Path, selection: Selection, tally: Tally | None = None) ->
     )  # fmt: skip
 
 
+UNREADABLE = "lines of the store that are not records (not JSON objects), passed over"
 HEAD = ("record", "id", "key", "part", "start", "end", "status", "reward", "score", "labels")
 
 
@@ -214,7 +215,13 @@ def step_trajectories(
     lines: dict[str, tuple[Path, int, int]] = {}
     for path in files.paths:
         for offset, line in file_lines(path):
-            record = orjson.loads(line)
+            try:
+                record = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                record = None
+            if not isinstance(record, dict):
+                tally.notes[UNREADABLE] += 1  # as the viewer counts them: the rest still read
+                continue
             if record.get("record") == "trajectory" and isinstance(record.get("id"), str):
                 lines.setdefault(record["id"], (path, offset, len(line)))
                 record = {name: record.get(name) for name in HEAD}
