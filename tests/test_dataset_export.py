@@ -269,6 +269,20 @@ def test_the_command_as_a_user_runs_it(store: tuple[Path, Sent], tmp_path: Path)
     assert "prompt_ids" in load(out)[0] and (out / "notes.txt").read_text() == "mine"
 
 
+def test_show_gives_the_rewards_the_export_gives(store: tuple[Path, Sent], tmp_path: Path) -> None:
+    """Both merge a late reward into each replica's record before joining them: the trajectory
+    whose turns reached both proxies was rewarded through the proxy of its later turns."""
+    output, sent = store
+    shown = trace_proxy("show", str(output), "--step", "1")
+    assert shown.returncode == 0, shown.stderr
+    header = next(line for line in shown.stdout.splitlines() if "id both-proxies" in line)
+    assert f"reward {sent.rewards[(1, 2, 0, False)]:g}, judge=late" in header
+    rows = export(output, tmp_path / "sft", "sft", steps=StepRange(1, 1))
+    assert {r["reward"] for r in rows if r["trajectory_id"] == "both-proxies"} == {
+        sent.rewards[(1, 2, 0, False)]
+    }
+
+
 @pytest.mark.parametrize(
     ("arguments", "message"),
     [

@@ -52,8 +52,8 @@ def show(
         stream.write(printable(line) + "\n")
 
     shown = events = 0
-    for records in _by_experiment(roots):
-        for line in _apply_annotations(records):
+    for records, orphans in _by_experiment(roots):
+        for line in orphans:
             write(line)
         for record in _ordered(records):
             key = record.get("key") or record
@@ -91,14 +91,18 @@ def show(
     return 0
 
 
-def _by_experiment(roots: Sequence[Path]) -> Iterator[list[dict[str, Any]]]:
+def _by_experiment(roots: Sequence[Path]) -> Iterator[tuple[list[dict[str, Any]], list[str]]]:
     """Records grouped by the directory (project/experiment) they are stored in, relative to
-    their store: the same experiment's directories in several stores make one group."""
+    their store: the same experiment's directories in several stores make one group. Late
+    rewards are merged into each store's record before a trajectory's records from several
+    stores are joined, so a reward given to either proxy counts; lines for those naming no
+    record stored here."""
     groups = runs(roots, parts=True)
     for name in sorted(groups):
         stored = [(d, record) for d in groups[name] for _, record in run_records(d)]
         if stored:
-            yield _one_summary_per_step(one_per_trajectory(stored))
+            orphans = _apply_annotations([record for _, record in stored])
+            yield _one_summary_per_step(one_per_trajectory(stored)), orphans
 
 
 def _one_summary_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
