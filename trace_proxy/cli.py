@@ -1,4 +1,5 @@
-"""`trace-proxy serve | demo | show | ui | replay`: the command line, from the declared options."""
+"""`trace-proxy serve | demo | show | ui | replay | export`: the command line, from the declared
+options."""
 
 from __future__ import annotations
 
@@ -66,11 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
     show.add_argument("--width", type=int, default=100, help="characters of text per call line")
 
+    from trace_proxy.dataset.command import add_export_command
     from trace_proxy.replay.command import add_replay_command
     from trace_proxy.ui.command import add_ui_command
 
     add_ui_command(commands)
     add_replay_command(commands)
+    add_export_command(commands)
     return parser
 
 
@@ -90,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s", "WARNING")
         return run_replay_command(args)
+    if command == "export":
+        from trace_proxy.dataset.command import run_export_command
+
+        return run_export_command(args)
     if command == "show":
         from trace_proxy.show import show
 

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from trace_proxy.logtext import printable
-from trace_proxy.store.annotations import merged_outcome
+from trace_proxy.store.annotations import apply_annotations
 from trace_proxy.store.readers import iter_records, run_records, runs
-from trace_proxy.store.replicas import joined, merged_summary, store_roots
+from trace_proxy.store.replicas import merged_summary, one_per_trajectory, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
 
 __all__ = ["iter_records", "show"]  # a store's records one by one, and the command
@@ -53,8 +53,8 @@ def show(
         stream.write(printable(line) + "\n")
 
     shown = events = 0
-    for records in _by_experiment(roots):
-        for line in _apply_annotations(records):
+    for records, orphans in _by_experiment(roots):
+        for line in orphans:
             write(line)
         for record in _ordered(records):
             key = record.get("key") or record
@@ -92,34 +92,18 @@ def show(
     return 0
 
 
-def _by_experiment(roots: Sequence[Path]) -> Iterator[list[dict[str, Any]]]:
+def _by_experiment(roots: Sequence[Path]) -> Iterator[tuple[list[dict[str, Any]], list[str]]]:
     """Records grouped by the directory (project/experiment) they are stored in, relative to
-    their store: the same experiment's directories in several stores make one group."""
+    their store: the same experiment's directories in several stores make one group. Late
+    rewards are merged into each store's record before a trajectory's records from several
+    stores are joined, so a reward given to either proxy counts; lines for those naming no
+    record stored here."""
     groups = runs(roots, parts=True)
     for name in sorted(groups):
         stored = [(d, record) for d in groups[name] for _, record in run_records(d)]
         if stored:
-            yield _one_summary_per_step(_one_trajectory_per_id(stored))
-
-
-def _one_trajectory_per_id(stored: list[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Records of one trajectory written by several stores (its calls reached several
-    proxies under one id) as one (`joined`); a store's own parts stay parts."""
-    by_id: dict[tuple[Any, ...], dict[Path, dict[str, Any]]] = {}
-    records: list[dict[str, Any] | tuple[Any, ...]] = []
-    for directory, record in stored:
-        key = record.get("key") or {}
-        if record.get("record") != "trajectory" or not key.get("trajectory_id"):
-            records.append(record)
-            continue
-        name = (key.get("project"), key.get("experiment"), bool(key.get("validate")),
-                key.get("step"), key["trajectory_id"], record.get("part", 1))  # fmt: skip
-        found = by_id.setdefault(name, {})
-        if not found:
-            records.append(name)
-        if directory not in found:
-            found[directory] = record
-    return [joined(list(by_id[r].values())) if isinstance(r, tuple) else r for r in records]
+            orphans = _apply_annotations([record for _, record in stored])
+            yield _one_summary_per_step(one_per_trajectory(stored)), orphans
 
 
 def _one_summary_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -138,16 +122,10 @@ def _one_summary_per_step(records: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def _apply_annotations(records: list[dict[str, Any]]) -> list[str]:
     """Late rewards onto the trajectories they name; lines for those naming none seen here."""
-    by_id = {r.get("id"): r for r in records if r.get("record") == "trajectory"}
-    orphans = []
-    for note in (r for r in records if r.get("record") == "annotation"):
-        targets = [by_id[i] for i in note.get("trajectories") or [] if i in by_id]
-        for trajectory in targets:
-            trajectory.update(merged_outcome(trajectory, note))
-        if not targets:
-            orphans.append(f"-- reward for {note.get('target')} (no such trajectory stored here): "
-                           f"{_outcome(note)}")  # fmt: skip
-    return orphans
+    return [
+        f"-- reward for {note.get('target')} (no such trajectory stored here): {_outcome(note)}"
+        for note in apply_annotations(records)
+    ]
 
 
 def _outcome(record: dict[str, Any]) -> str:

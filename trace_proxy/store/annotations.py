@@ -8,7 +8,7 @@ way (trajectories/rewards.py), so each shows the values the others do.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 REPLACED = ("reward", "score")  # a value a note gives replaces the record's
@@ -30,3 +30,18 @@ def merged_outcome(
         merged[name] = record.get(name) if given is None else given
     merged["labels"] = {**(record.get("labels") or {}), **(note.get("labels") or {})}
     return merged
+
+
+def apply_annotations(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each `annotation` among `records` merged into the trajectory records it names (changed
+    in place), in the order written; the annotations naming none of them are returned."""
+    records = list(records)
+    by_id = {r.get("id"): r for r in records if r.get("record") == "trajectory"}
+    orphans = []
+    for note in (r for r in records if r.get("record") == "annotation"):
+        targets = [by_id[i] for i in note.get("trajectories") or [] if i in by_id]
+        for trajectory in targets:
+            trajectory.update(merged_outcome(trajectory, note))
+        if not targets:
+            orphans.append(note)
+    return orphans

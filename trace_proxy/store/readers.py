@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -86,11 +86,38 @@ def run_records(directory: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
     """The complete records of one run directory, file by file in name order."""
     for name, _ in jsonl_files(directory):
         path = directory / name
-        with open_no_link(path) as handle:
-            data = handle.read()
-        for line in data.split(b"\n")[:-1]:
+        for _, line in file_lines(path):
+            yield path, orjson.loads(line)
+
+
+def file_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """The complete, non-blank lines of one file of a run directory (found by `jsonl_files`),
+    without their newline, each with its byte offset: where `line_at` reads it again."""
+    with open_no_link(path) as handle:
+        offset = 0
+        for line in handle:
+            if not line.endswith(b"\n"):
+                return  # a torn last line: no record
             if line.strip():
-                yield path, orjson.loads(line)
+                yield offset, line[:-1]
+            offset += len(line)
+
+
+def line_at(path: Path, offset: int, length: int) -> bytes:
+    """`length` bytes of a store's file from `offset`: a line read again where it was found."""
+    with open_no_link(path) as handle:
+        return os.pread(handle.fileno(), length, offset)
+
+
+def group_name(key: Mapping[str, Any], record_id: str) -> str:
+    """The GRPO group of a stored trajectory, as readers name it: its sample index, else the
+    hash of its first prompt (keyless traffic, `sample_hash`), else the trajectory alone."""
+    sample = key.get("sample_index")
+    if isinstance(sample, int) and not isinstance(sample, bool):
+        return f"sample {sample}"
+    if isinstance(key.get("sample_hash"), str):
+        return f"hash {key['sample_hash']}"
+    return f"trajectory {record_id}"
 
 
 def iter_records(root: Path) -> Iterator[tuple[Path, dict[str, Any]]]:

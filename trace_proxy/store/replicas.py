@@ -50,6 +50,27 @@ def merged_summary(summaries: Iterable[dict[str, Any]]) -> dict[str, Any] | None
     return merged
 
 
+def one_per_trajectory(stored: Iterable[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A run's records (each with the store directory it was read from) with the records of
+    one trajectory that several stores wrote (its calls reached several proxies under one id)
+    as one (`joined`), in the order first seen; a store's own parts stay parts."""
+    by_id: dict[tuple[Any, ...], dict[Path, dict[str, Any]]] = {}
+    records: list[dict[str, Any] | tuple[Any, ...]] = []
+    for directory, record in stored:
+        key = record.get("key") or {}
+        if record.get("record") != "trajectory" or not key.get("trajectory_id"):
+            records.append(record)
+            continue
+        name = (key.get("project"), key.get("experiment"), bool(key.get("validate")),
+                key.get("step"), key["trajectory_id"], record.get("part", 1))  # fmt: skip
+        found = by_id.setdefault(name, {})
+        if not found:
+            records.append(name)
+        if directory not in found:
+            found[directory] = record
+    return [joined(list(by_id[r].values())) if isinstance(r, tuple) else r for r in records]
+
+
 def _count(value: Any) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
@@ -58,7 +79,8 @@ def joined(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One trajectory from the records several proxies wrote of it (a client whose router is
     not sticky sent its calls to more than one, under one trajectory id): every call with its
     whole prompt (prefix sharing is per record), in the order the calls started, tool spans
-    pointing at them, times and counts combined, the parts' ids in `parts`."""
+    pointing at them, times and counts combined, the first reward and score given, the labels
+    added up, the parts' ids in `parts`."""
     if len(parts) == 1:
         return parts[0]
     ordered = sorted(parts, key=lambda part: _number(part.get("start")))
@@ -95,6 +117,8 @@ def joined(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     )
     for name in ("reward", "score"):
         record[name] = next((p[name] for p in ordered if p.get(name) is not None), None)
+    labels = [p["labels"] for p in ordered if isinstance(p.get("labels"), dict)]
+    record["labels"] = {k: v for given in labels for k, v in given.items()}
     return record
 
 

@@ -30,7 +30,14 @@ from typing import Any
 import orjson
 
 from trace_proxy.store.annotations import merged_outcome
-from trace_proxy.store.readers import directory_value, jsonl_files, open_no_link, runs
+from trace_proxy.store.readers import (
+    directory_value,
+    group_name,
+    jsonl_files,
+    line_at,
+    open_no_link,
+    runs,
+)
 from trace_proxy.store.replicas import merged_summary, store_roots
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
@@ -330,8 +337,7 @@ class StoreIndex:
 
     def read_line(self, entry: Entry) -> bytes:
         """The stored line of `entry`, read again from its file."""
-        with open_no_link(self.files[entry.file]) as handle:
-            return os.pread(handle.fileno(), entry.length, entry.offset)
+        return line_at(self.files[entry.file], entry.offset, entry.length)
 
     def read_record(self, entry: Entry) -> dict[str, Any]:
         """The stored record of `entry` with what later annotations changed applied."""
@@ -385,12 +391,7 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
     calls = [c for c in record.get("calls") or [] if isinstance(c, dict)]
     tools = [t for t in record.get("tools") or [] if isinstance(t, dict)]
     sample = _int_or_none(key.get("sample_index"))
-    if sample is not None:
-        group = f"sample {sample}"
-    elif isinstance(key.get("sample_hash"), str):
-        group = f"hash {key['sample_hash'][:NAME_CAP]}"
-    else:
-        group = f"trajectory {ident[:NAME_CAP]}"
+    group = group_name(key, ident)[: NAME_CAP + 16]
     finish = None
     if calls:
         outputs = calls[-1].get("outputs") or []
