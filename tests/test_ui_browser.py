@@ -224,3 +224,42 @@ def test_a_new_user_finds_the_best_and_worst_rollout_and_where_they_diverge(
     driver.find_element(By.ID, "reload").click()
     wait.until(lambda d: len(d.find_elements(By.CSS_SELECTOR, "#train-steps tbody tr")) == 3)
     shot("07-steps-followed")
+
+
+def test_a_user_searches_every_step_of_a_run_and_opens_a_result(
+    browser: object, viewer_url: str, demo_store: Path, shots: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    assert isinstance(browser, WebDriver)
+    driver = browser
+    wait = WebDriverWait(driver, WAIT)
+    stored = {r["id"]: r for _, r in iter_records(demo_store) if r.get("record") == "trajectory"}
+    rewarded = {i for i, r in stored.items() if b"London" in orjson.dumps(r)
+                and (r.get("reward") or 0) >= 1}  # fmt: skip
+    assert rewarded, "the demo answers the London task well at least once"
+
+    # The run page's form: words and a reward range, over every step.
+    driver.get(viewer_url)
+    driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
+    form = wait.until(ec.presence_of_element_located((By.ID, "search-form")))
+    form.find_element(By.NAME, "q").send_keys("london")
+    form.find_element(By.NAME, "min_reward").send_keys("1")
+    form.find_element(By.ID, "search-submit").click()
+    wait.until(ec.presence_of_element_located((By.ID, "search-count")))
+    assert "q=london" in driver.current_url and "min_reward=1" in driver.current_url
+    rows = driver.find_elements(By.CSS_SELECTOR, "#search-results tr.result")
+    links = [r.find_element(By.CSS_SELECTOR, "a.result-link") for r in rows]
+    found = {str(a.get_attribute("href")).rsplit("/", 1)[-1] for a in links}
+    assert found == rewarded
+    marks = driver.find_elements(By.CSS_SELECTOR, "#search-results td.snippet mark")
+    assert marks and all(m.text.lower() == "london" and m.is_displayed() for m in marks)
+    driver.save_screenshot(str(shots / "08-run-search.png"))
+
+    # A result opens its trajectory.
+    links[0].click()
+    wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
+    assert driver.current_url.rsplit("/", 1)[-1] in rewarded
