@@ -258,3 +258,15 @@ async def test_the_run_page_has_the_search_form(
     client, _, _ = served
     page = await (await client.get(f"{BASE}/")).text()
     assert 'action="/run/0/proj/exp/search"' in page and 'name="q"' in page
+
+
+async def test_an_index_read_before_the_viewer_is_searchable(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    records = build(store)
+    index = StoreIndex([store], min_interval=3600)  # refreshed once, unless forced
+    index.refresh(force=True)
+    viewer = Viewer(index)  # its full-text index reads the stores again at once
+    async with TestClient(TestServer(viewer.app())) as client:
+        assert sorted((await found(client, q="quokka"))[0]) == ids(records, "chat", "validation")
+        assert (await found(client, min_step="2"))[0] == [records["late"]["id"]]
+    assert not viewer.text.directory.exists()  # removed with the app

@@ -4,7 +4,8 @@ A search names words (or, asked for, an FTS5 query) and filters: reward range, s
 ambiguous key, late trajectory, late reward, step range, training or validation, tool name.
 Text, ambiguity, lateness and tool names are asked of SQLite; reward, status, errors and steps
 are read from the in-memory entries, so a late reward counts as soon as it is indexed. Results
-are in step order (training first), then group and rollout; only a page's snippets are made.
+are in step order (training first), in each step in the order the store holds them; only a
+page's marks and snippets are asked for.
 """
 
 from __future__ import annotations
@@ -13,11 +14,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from trace_proxy.ui.index import Entry, Run
-from trace_proxy.ui.textindex import Hit, Marks, QueryError, TextIndex, fts_query, highlighted
+from trace_proxy.ui.index import Entry, Run, StepKey
+from trace_proxy.ui.textindex import Marks, QueryError, TextIndex, fts_query, highlighted
 
 PER_PAGE = 50
 TEXT_CAP = 1_000  # characters of a query's text
+NO_MARKS = Marks(ambiguous=False, late=False)
 
 
 @dataclass(frozen=True)
@@ -129,48 +131,43 @@ def search(text_index: TextIndex, run: Run, query: Query) -> Results:
     match = (query.text if query.raw else fts_query(query.text)) or None
     if query.text and match is None:
         return Results(error="the text has no words to search for")
-    hits: dict[str, Hit] = {}
-    found: list[Entry] = []
+    docs: dict[int, int] = {}  # id(entry) -> its matching document
     if match is not None or query.ambiguous or query.late or query.tool:
         try:
-            for hit in text_index.find(
+            hits = text_index.find(
                 run, match, ambiguous=query.ambiguous, late=query.late, tool=query.tool or None
-            ):
-                entry = run.by_id.get(hit.id)
-                if entry is not None and entry.id not in hits and query.keeps(entry):
-                    hits[entry.id] = hit
-                    found.append(entry)
+            )
         except QueryError as exc:
             return Results(error=f"the search could not be run: {exc}")
+        by_step: dict[StepKey, list[Entry]] = {}
+        for doc, entry in hits:
+            if query.keeps(entry):
+                by_step.setdefault((entry.validate, entry.step), []).append(entry)
+                docs[id(entry)] = doc
+        found = [e for key in run.step_keys() for e in by_step.get(key, ())]
     else:
-        found = [e for step in run.steps.values() for e in step.entries if query.keeps(e)]
-    found.sort(key=_order)
+        found = [e for key in run.step_keys() for e in run.steps[key].entries if query.keeps(e)]
     pages = max(1, math.ceil(len(found) / PER_PAGE))
     page = min(query.page, pages)
     shown = found[(page - 1) * PER_PAGE : page * PER_PAGE]
     results = Results(total=len(found), page=page, pages=pages)
-    known = {e.id: (hits[e.id].doc, hits[e.id].marks) for e in shown if e.id in hits}
-    missing = [e.id for e in shown if e.id not in known]
-    known.update(text_index.marks(run, missing))
+    if docs:
+        shown_docs = [docs[id(e)] for e in shown]
+        marks = text_index.marks_of_docs(shown_docs)
+    else:  # found in memory: their documents asked by id
+        known = text_index.marks(run, [e.id for e in shown])
+        shown_docs = [known.get(e.id, (0, NO_MARKS))[0] for e in shown]
+        marks = {doc: mark for doc, mark in known.values()}
     snippets: dict[int, tuple[str, str]] = {}
     if match is not None:
         try:
-            snippets = text_index.snippets(match, [known[e.id][0] for e in shown if e.id in known])
+            snippets = text_index.snippets(match, shown_docs)
         except QueryError as exc:
             return Results(error=f"the search could not be run: {exc}")
-    for entry in shown:
-        doc, marks = known.get(entry.id, (0, Marks(False, False)))
+    for entry, doc in zip(shown, shown_docs, strict=True):
         column, snippet = snippets.get(doc, (None, ""))
-        results.rows.append(Result(entry, marks, column, highlighted(snippet)))
+        results.rows.append(Result(entry, marks.get(doc, NO_MARKS), column, highlighted(snippet)))
     return results
-
-
-def _order(entry: Entry) -> tuple[bool, int, int, int, str]:
-    return (
-        entry.validate, -1 if entry.step is None else entry.step,
-        -1 if entry.sample_index is None else entry.sample_index,
-        -1 if entry.rollout_n is None else entry.rollout_n, entry.id,
-    )  # fmt: skip
 
 
 def _flag(params: Mapping[str, str], name: str) -> bool:

@@ -24,10 +24,10 @@ import shutil
 import sqlite3
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from trace_proxy.ui.index import Entry, Run, StoreIndex, as_dict, as_list
 
@@ -51,70 +51,86 @@ class Marks:
     late: bool
 
 
-class Hit(NamedTuple):
-    """A matching record, as SQLite gives it (a tuple: a search can find 100,000)."""
+@dataclass(slots=True)
+class Document:
+    """What the index keeps of one record: its text by column (capped), marks and tool names."""
 
-    doc: int
-    id: str
-    ambiguous: int
-    late: int
+    prompt: list[str] = field(default_factory=list)
+    response: list[str] = field(default_factory=list)
+    tools: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    tool_names: dict[str, None] = field(default_factory=dict)  # in order, once each
+    marks: Marks = Marks(False, False)
 
-    @property
-    def marks(self) -> Marks:
-        return Marks(bool(self.ambiguous), bool(self.late))
+    def texts(self) -> tuple[str, str, str, str]:
+        return (_capped(self.prompt), _capped(self.response), _capped(self.tools),
+                _capped(self.errors))  # fmt: skip
+
+    def names_text(self) -> str:
+        """The tool names, each between newlines (found whole with `instr`)."""
+        return "".join(f"\n{name}" for name in self.tool_names) + "\n"
+
+    def add_tool_calls(self, calls: Any) -> None:
+        if not isinstance(calls, list):
+            return
+        for call in calls:
+            function = call.get("function") if isinstance(call, dict) else None
+            if isinstance(function, dict):
+                self.add_tool(function.get("name"), function.get("arguments"))
+
+    def add_tool(self, name: Any, arguments: Any, result: Any = None) -> None:
+        if isinstance(name, str) and name:
+            self.tool_names[name[:256]] = None
+        self.tools += [_text(v) for v in (name, arguments, result) if v is not None]
+
+    def add_error(self, error: Any) -> None:
+        if isinstance(error, dict):
+            self.errors += [_text(error.get("type")), _text(error.get("message"))]
+        elif error is not None:
+            self.errors.append(_text(error))
 
 
-def searchable(record: dict[str, Any]) -> dict[str, str]:
-    """A record's text by column, capped (see the module's docstring)."""
-    columns: dict[str, list[str]] = {name: [] for name in COLUMNS}
+def document_of(record: dict[str, Any]) -> Document:
+    """A record's searchable text and marks, read once (see the module's docstring)."""
+    found = Document()
     for call in as_list(record.get("calls")):
-        call = as_dict(call)
+        if not isinstance(call, dict):
+            continue
         prompt = as_dict(call.get("prompt"))
-        messages = [as_dict(m) for m in as_list(prompt.get("messages"))]
-        pieces = [_message_text(m) for m in messages]
+        before = len(found.prompt)
+        for message in as_list(prompt.get("messages")):
+            if isinstance(message, dict):
+                found.prompt.append(_message_text(message))
+                found.add_tool_calls(message.get("tool_calls"))
         if isinstance(prompt.get("text"), str):
-            pieces.append(prompt["text"])
-        if not pieces and isinstance(call.get("prompt_text"), str):
-            pieces.append(call["prompt_text"])
-        columns["prompt"] += pieces
-        for message in messages:
-            columns["tools"] += _tool_calls_text(message.get("tool_calls"))
+            found.prompt.append(prompt["text"])
+        if len(found.prompt) == before and isinstance(call.get("prompt_text"), str):
+            found.prompt.append(call["prompt_text"])  # a token prompt: its decoded text
         for output in as_list(call.get("outputs")):
-            output = as_dict(output)
+            if not isinstance(output, dict):
+                continue
             text = output.get("text")
             if not isinstance(text, str):
-                text = output.get("response_text")
-            columns["response"] += [t for t in (text, output.get("reasoning"))
-                                    if isinstance(t, str)]  # fmt: skip
-            columns["tools"] += _tool_calls_text(output.get("tool_calls"))
-        columns["errors"] += _error_text(call.get("error"))
-        if isinstance(call.get("unparsed"), str):
-            columns["errors"].append(call["unparsed"])
+                text = output.get("response_text")  # a token output: its decoded text
+            if isinstance(text, str):
+                found.response.append(text)
+            if isinstance(output.get("reasoning"), str):
+                found.response.append(output["reasoning"])
+            found.add_tool_calls(output.get("tool_calls"))
+        found.add_error(call.get("error"))
+        found.add_error(call.get("unparsed"))
     for tool in as_list(record.get("tools")):
-        tool = as_dict(tool)
-        columns["tools"] += [_text(tool.get(k)) for k in ("name", "arguments", "result")]
-        columns["errors"] += _error_text(tool.get("error"))
-    return {name: _capped(pieces) for name, pieces in columns.items()}
-
-
-def marks_of(record: dict[str, Any]) -> Marks:
-    key = as_dict(record.get("key"))
-    sources = as_dict(key.get("sources"))
+        if isinstance(tool, dict):
+            found.add_tool(tool.get("name"), tool.get("arguments"), tool.get("result"))
+            found.add_error(tool.get("error"))
+    sources = as_dict(as_dict(record.get("key")).get("sources"))
     ambiguous = any(isinstance(v, str) and "ambiguous" in v for v in sources.values())
     late = any(
-        as_dict(a).get("field") == "step" and as_dict(a).get("source") == "sampler"
+        isinstance(a, dict) and a.get("field") == "step" and a.get("source") == "sampler"
         for a in as_list(record.get("annotations"))
     )
-    return Marks(ambiguous, late)
-
-
-def tool_names(record: dict[str, Any]) -> list[str]:
-    names = [as_dict(t).get("name") for t in as_list(record.get("tools"))]
-    for call in as_list(record.get("calls")):
-        for output in as_list(as_dict(call).get("outputs")):
-            for tool_call in as_list(as_dict(output).get("tool_calls")):
-                names.append(as_dict(as_dict(tool_call).get("function")).get("name"))
-    return list(dict.fromkeys(n[:256] for n in names if isinstance(n, str) and n))
+    found.marks = Marks(ambiguous, late)
+    return found
 
 
 def fts_query(text: str) -> str:
@@ -143,7 +159,9 @@ class TextIndex:
         self._lock = threading.Lock()
         self._runs: dict[tuple[int, str, str], int] = {}
         self._rows: list[tuple[int, int, str, int, int, str, str, str, str, str]] = []
-        self._next_doc = 1
+        # Each document's entry (its number is its place): a match becomes an entry without
+        # an id crossing from SQLite, 8 bytes per trajectory.
+        self._entries: list[Entry | None] = [None]
         with self._lock:
             for statement in (
                 "PRAGMA journal_mode=OFF",  # a cache: rebuilt at every start, never recovered
@@ -157,13 +175,13 @@ class TextIndex:
                 self._db.execute(statement)
 
     def attach(self, index: StoreIndex) -> None:
-        """Follow `index` from now on; what it read already is read again to be indexed."""
+        """Follow `index` from now on; what it read already is read again, now, to be indexed."""
         with index.lock:
             index.followers.append(self)
             if index.runs:
                 for run in index.runs.values():
                     run.clear()
-                index.generation += 1
+                index.refresh(force=True)
 
     def close(self) -> None:
         with self._lock:
@@ -173,13 +191,11 @@ class TextIndex:
     # --- filled by StoreIndex.refresh (its Follower) -------------------------------------------
 
     def added(self, run: Run, entry: Entry, record: dict[str, Any]) -> None:
-        text = searchable(record)
-        marks = marks_of(record)
-        names = "".join(f"\n{n}" for n in tool_names(record)) + "\n"
-        self._rows.append((self._next_doc, self._run_number(run), entry.id,
-                           marks.ambiguous, marks.late, names,
-                           *(text[c] for c in COLUMNS)))  # type: ignore[arg-type]  # fmt: skip
-        self._next_doc += 1
+        found = document_of(record)
+        self._rows.append((len(self._entries), self._run_number(run), entry.id,
+                           found.marks.ambiguous, found.marks.late, found.names_text(),
+                           *found.texts()))  # fmt: skip
+        self._entries.append(run.by_id.get(entry.id, entry))  # another replica's: the first
         if len(self._rows) >= BATCH:
             self.caught_up()
 
@@ -187,6 +203,8 @@ class TextIndex:
         self.caught_up()
         number = self._run_number(run)
         with self._lock:
+            for (doc,) in self._db.execute("SELECT doc FROM meta WHERE run = ?", (number,)):
+                self._entries[doc] = None
             self._db.execute("BEGIN")
             self._db.execute(
                 "DELETE FROM docs WHERE rowid IN (SELECT doc FROM meta WHERE run = ?)", (number,)
@@ -223,9 +241,10 @@ class TextIndex:
         ambiguous: bool = False,
         late: bool = False,
         tool: str | None = None,
-    ) -> Iterator[Hit]:
-        """The run's records that match (`match`: an FTS5 query, or None for any text) and
-        carry the marks asked for. Raises QueryError when FTS5 refuses `match`."""
+    ) -> list[tuple[int, Entry]]:
+        """The run's entries whose records match (`match`: an FTS5 query, or None for any
+        text) and carry the marks asked for, each once with its document, in the order they
+        were read. Raises QueryError when FTS5 refuses `match`."""
         where: list[str] = ["meta.run = ?"]
         args: list[Any] = [self._runs.get(run.ref, 0)]
         if ambiguous:
@@ -235,7 +254,7 @@ class TextIndex:
         if tool:
             where.append("instr(meta.tool_names, ?) > 0")
             args.append(f"\n{tool}\n")
-        sql = "SELECT meta.doc, meta.id, meta.ambiguous, meta.late FROM "
+        sql = "SELECT meta.doc FROM "
         if match is not None:
             # CROSS JOIN keeps the full-text match outside: SQLite would otherwise run it once
             # for each of the run's rows.
@@ -243,13 +262,31 @@ class TextIndex:
             args.insert(0, match)
         else:
             sql += "meta WHERE "
-        sql += " AND ".join(where)
+        sql += " AND ".join(where) + " ORDER BY meta.doc"
         with self._lock:
             try:
                 rows = self._db.execute(sql, args).fetchall()
             except sqlite3.OperationalError as exc:
                 raise QueryError(str(exc)) from None
-        return map(Hit._make, rows)
+        entries = self._entries
+        # Several documents of one entry (replicas' parts of it, a line written twice): once.
+        found = {id(e): (doc, e) for (doc,) in rows if (e := entries[doc]) is not None}
+        return list(found.values())
+
+    def marks_of_docs(self, docs: Sequence[int]) -> dict[int, Marks]:
+        """The marks of each document named."""
+        found: dict[int, Marks] = {}
+        with self._lock:
+            for start in range(0, len(docs), 500):
+                chunk = docs[start : start + 500]
+                rows = self._db.execute(
+                    "SELECT doc, ambiguous, late FROM meta WHERE doc IN "
+                    f"({', '.join('?' * len(chunk))})",
+                    chunk,
+                ).fetchall()
+                for doc, is_ambiguous, is_late in rows:
+                    found[doc] = Marks(bool(is_ambiguous), bool(is_late))
+        return found
 
     def marks(self, run: Run, ids: Iterable[str]) -> dict[str, tuple[int, Marks]]:
         """Each named record's document number and marks."""
@@ -311,20 +348,6 @@ def _message_text(message: dict[str, Any]) -> str:
     if isinstance(content, str):
         return content
     return " ".join(_text(as_dict(p).get("text")) for p in as_list(content))
-
-
-def _tool_calls_text(calls: Any) -> list[str]:
-    found = []
-    for call in as_list(calls):
-        function = as_dict(as_dict(call).get("function"))
-        found += [_text(function.get("name")), _text(function.get("arguments"))]
-    return found
-
-
-def _error_text(error: Any) -> list[str]:
-    if isinstance(error, dict):
-        return [_text(error.get("type")), _text(error.get("message"))]
-    return [_text(error)]
 
 
 def _text(value: Any) -> str:
