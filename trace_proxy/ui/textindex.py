@@ -245,7 +245,8 @@ class TextIndex:
         """The run's entries whose records match (`match`: an FTS5 query, or None for any
         text) and carry the marks asked for, each once with its document, in the order they
         were read. Raises QueryError when FTS5 refuses `match`."""
-        where: list[str] = ["meta.run = ?"]
+        # `+meta.run`: the table read in document order, not each row looked up by the index
+        where: list[str] = ["+meta.run = ?"]
         args: list[Any] = [self._runs.get(run.ref, 0)]
         if ambiguous:
             where.append("meta.ambiguous")
@@ -254,15 +255,16 @@ class TextIndex:
         if tool:
             where.append("instr(meta.tool_names, ?) > 0")
             args.append(f"\n{tool}\n")
-        sql = "SELECT meta.doc FROM "
         if match is not None:
             # CROSS JOIN keeps the full-text match outside: SQLite would otherwise run it once
             # for each of the run's rows.
-            sql += "docs CROSS JOIN meta ON meta.doc = docs.rowid WHERE docs MATCH ? AND "
+            sql = "SELECT meta.doc FROM docs CROSS JOIN meta ON meta.doc = docs.rowid WHERE "
+            where.insert(0, "docs MATCH ?")
             args.insert(0, match)
+            order = "docs.rowid"
         else:
-            sql += "meta WHERE "
-        sql += " AND ".join(where) + " ORDER BY meta.doc"
+            sql, order = "SELECT meta.doc FROM meta WHERE ", "meta.doc"
+        sql += " AND ".join(where) + f" ORDER BY {order}"
         with self._lock:
             try:
                 rows = self._db.execute(sql, args).fetchall()
