@@ -31,7 +31,7 @@ from trace_proxy.store.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import search, views
 from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
-from trace_proxy.ui.textindex import TextIndex
+from trace_proxy.ui.textindex import SearchUnavailable, TextIndex
 
 GROUPS_PER_PAGE = 50
 DASH = "\u2013"  # shown for a missing value
@@ -628,6 +628,9 @@ def run_ui(
             print(f"trace-proxy: error: cannot listen on {host}:{port}: {exc.strerror or exc}",
                   file=sys.stderr)  # fmt: skip
             return 1
+        except SearchUnavailable as exc:
+            print(f"trace-proxy: error: {exc}", file=sys.stderr)
+            return 2
         print(f"trace-proxy ui: {url}  (stores: {', '.join(stores)}; Ctrl-C stops)", flush=True)
         if not is_loopback(host):
             print(f"trace-proxy ui: warning: listening on {host}: whoever can reach this port "

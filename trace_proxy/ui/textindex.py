@@ -1,11 +1,12 @@
 """The viewer's full-text index: a trajectory's words in an SQLite FTS5 table on disk.
 
-Searching 100,000 records by reading each again takes minutes; keeping their text in memory
-takes gigabytes. So as `StoreIndex` reads a trajectory's line it hands the record here
-(`added`), and its searchable text goes into an FTS5 table in a file of the viewer's own (a
-temporary directory, or one `--index-dir` names; never the store, which the viewer only reads),
-removed when the viewer stops. A query gives record ids; what changes later (a late reward) is
-read from the in-memory entries, so it is never written twice.
+Searching 100,000 records by reading each again reads the whole store (about 1 GB of the demo's
+trajectories) at every search; keeping their text in memory takes gigabytes. So as `StoreIndex`
+reads a trajectory's line it hands the record here (`added`), and its searchable text goes into
+an FTS5 table in a file of the viewer's own (a temporary directory, or one `--index-dir` names;
+never the store, which the viewer only reads), removed when the viewer stops. A query gives
+document numbers, each the place of its entry in a list; what changes later (a late reward) is
+read from the in-memory entries, so nothing is written twice.
 
 What is indexed, per trajectory, in four columns: `prompt` (each call's stored prompt: chat
 messages, text, else its decoded `prompt_text`; a shared prompt stores only what it adds),
@@ -41,6 +42,11 @@ SNIPPET_TOKENS = 16
 
 class QueryError(ValueError):
     """A query FTS5 refused (raw syntax): its message is for the user."""
+
+
+class SearchUnavailable(RuntimeError):
+    """The index cannot be made here (no FTS5 in this Python's SQLite, a directory not
+    writable): its message is for the user."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,10 +156,15 @@ def fts_query(text: str) -> str:
 
 class TextIndex:
     """The FTS5 table of every trajectory a `StoreIndex` reads: attach it before the index's
-    first refresh (`attach` reads the stores again otherwise). Thread-safe."""
+    first refresh (`attach` reads the stores again otherwise). Filled and queried with the
+    store index's lock held; its own lock guards the connection."""
 
     def __init__(self, directory: str | Path | None = None) -> None:
-        self.directory = Path(tempfile.mkdtemp(prefix="trace-proxy-ui-", dir=directory))
+        try:
+            self.directory = Path(tempfile.mkdtemp(prefix="trace-proxy-ui-", dir=directory))
+        except OSError as exc:
+            raise SearchUnavailable(f"cannot make the search's index in {directory}: "
+                                    f"{exc.strerror or exc}") from None  # fmt: skip
         self.path = self.directory / "search.sqlite"
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._lock = threading.Lock()
@@ -162,17 +173,23 @@ class TextIndex:
         # Each document's entry (its number is its place): a match becomes an entry without
         # an id crossing from SQLite, 8 bytes per trajectory.
         self._entries: list[Entry | None] = [None]
-        with self._lock:
-            for statement in (
-                "PRAGMA journal_mode=OFF",  # a cache: rebuilt at every start, never recovered
-                "PRAGMA synchronous=OFF",
-                "CREATE VIRTUAL TABLE docs USING fts5(prompt, response, tools, errors, "
-                "tokenize='unicode61 remove_diacritics 2')",
-                "CREATE TABLE meta (doc INTEGER PRIMARY KEY, run INTEGER, id TEXT, "
-                "ambiguous INTEGER, late INTEGER, tool_names TEXT)",
-                "CREATE INDEX meta_run_id ON meta (run, id)",
-            ):
+        for statement in (
+            "PRAGMA journal_mode=OFF",  # a cache: rebuilt at every start, never recovered
+            "PRAGMA synchronous=OFF",
+            "CREATE VIRTUAL TABLE docs USING fts5(prompt, response, tools, errors, "
+            "tokenize='unicode61 remove_diacritics 2')",
+            "CREATE TABLE meta (doc INTEGER PRIMARY KEY, run INTEGER, id TEXT, "
+            "ambiguous INTEGER, late INTEGER, tool_names TEXT)",
+            "CREATE INDEX meta_run_id ON meta (run, id)",
+        ):
+            try:
                 self._db.execute(statement)
+            except sqlite3.OperationalError as exc:
+                self.close()
+                version = sqlite3.sqlite_version
+                raise SearchUnavailable(
+                    f"the search's index (SQLite {version} with FTS5) cannot be made: {exc}"
+                ) from None
 
     def attach(self, index: StoreIndex) -> None:
         """Follow `index` from now on; what it read already is read again, now, to be indexed."""
