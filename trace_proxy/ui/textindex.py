@@ -143,6 +143,7 @@ def fts_query(text: str) -> str:
     """The user's words as an FTS5 query that cannot be a syntax error: every word, and every
     "quoted phrase", a string (all must match); a word ending in `*` matches as a prefix."""
     parts = []
+    text = re.sub(r"[\x00-\x1f\x7f]", " ", text)  # FTS5 ends a string at a NUL
     for phrase, word in re.findall(r'"([^"]*)"?|(\S+)', text):
         token = phrase or word
         prefix = bool(word) and word.endswith("*")
