@@ -278,3 +278,26 @@ async def test_an_index_read_before_the_viewer_is_searchable(tmp_path: Path) -> 
         assert sorted((await found(client, q="quokka"))[0]) == ids(records, "chat", "validation")
         assert (await found(client, min_step="2"))[0] == [records["late"]["id"]]
     assert not viewer.text.directory.exists()  # removed with the app
+
+
+async def test_a_trajectory_two_replicas_wrote_is_found_once_by_either_part(
+    tmp_path: Path,
+) -> None:
+    store = tmp_path / "store"
+    parts = []
+    for replica, word in (("a", "wombat"), ("b", "numbat")):
+        record = trajectory(sample=0, reward=1.0, calls=[call(0, f"the {word} digs")])
+        record["key"]["trajectory_id"] = "shared-1"
+        append(step_file(run_dir(store / "replicas" / replica), 1), record)
+        parts.append(record["id"])
+    viewer = Viewer(StoreIndex([store], min_interval=0))
+    async with TestClient(TestServer(viewer.app())) as client:
+        await found(client, q="digs")  # the stores read
+        run = viewer.index.run((0, "proj", "exp"))
+        assert run is not None and len(run.steps[(False, 1)].entries) == 1
+        shown = run.by_id[parts[0]].id  # the entry both parts are shown as
+        assert run.by_id[parts[1]].id == shown
+        for query in ("wombat", "numbat", "digs"):
+            links, page = await found(client, q=query)
+            assert links == [shown], query
+            assert "1 trajectories found" in page
