@@ -35,7 +35,7 @@ from trace_proxy.ui.index import Entry, Run, StoreIndex, as_dict, as_list
 PIECE_CAP = 2_000  # characters of one message, response, argument or error
 COLUMN_CAP = 8_000  # characters of one column of one trajectory
 COLUMNS = ("prompt", "response", "tools", "errors")
-BATCH = 2_000  # rows buffered before they are written
+BATCH = 500  # rows buffered before they are written: at most 16 million characters
 HIT_START, HIT_END = "\x02", "\x03"  # around a hit in a snippet; removed from indexed text
 SNIPPET_TOKENS = 16
 
