@@ -174,6 +174,7 @@ class TextIndex:
         # Each document's entry (its number is its place): a match becomes an entry without
         # an id crossing from SQLite, 8 bytes per trajectory.
         self._entries: list[Entry | None] = [None]
+        self._followed: StoreIndex | None = None
         for statement in (
             "PRAGMA journal_mode=OFF",  # a cache: rebuilt at every start, never recovered
             "PRAGMA synchronous=OFF",
@@ -195,13 +196,22 @@ class TextIndex:
     def attach(self, index: StoreIndex) -> None:
         """Follow `index` from now on; what it read already is read again, now, to be indexed."""
         with index.lock:
+            self._followed = index
             index.followers.append(self)
             if index.runs:
                 for run in index.runs.values():
                     run.clear()
+                    for follower in index.followers:
+                        follower.cleared(run)
                 index.refresh(force=True)
 
     def close(self) -> None:
+        """Stop following and remove the index's directory (after a refresh under way)."""
+        index = self._followed
+        if index is not None:
+            with index.lock:
+                if self in index.followers:
+                    index.followers.remove(self)
         with self._lock:
             self._db.close()
         shutil.rmtree(self.directory, ignore_errors=True)
