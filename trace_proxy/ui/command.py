@@ -13,7 +13,8 @@ def add_ui_command(commands: Any) -> None:
         "ui",
         help="browse stored rollouts in a web browser (steps, GRPO groups, trajectories)",
         description="Serve a local web viewer of jsonl stores: runs, steps, a step's GRPO groups "
-        "side by side, a trajectory turn by turn, sibling rollouts compared. It follows stores "
+        "side by side, a trajectory turn by turn, sibling rollouts compared, a run searched "
+        "across its steps. It follows stores "
         "a running proxy is still writing.",
     )
     ui.add_argument(
