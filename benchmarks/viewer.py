@@ -8,7 +8,15 @@ with a real HTTP client: the index built at start, the step page (plain, sorted 
 spread, second page, text search over every record of the step), a trajectory, a comparison of
 8 rollouts; and the memory the index holds per trajectory (RSS before and after indexing).
 
-    python benchmarks/viewer.py                       # the run recorded in RESULTS.md
+Searching the whole run (`/search`, through the full-text index) is timed beside its naive
+peer, reading every record of the run again and looking for the text (`StoreIndex.search`, what
+the step page's filter does for one step). A rare word (`NEEDLE`) is put in one response of
+every `NEEDLE_EVERY` records and every `AMBIGUOUS_EVERY`th key is marked ambiguous, so rare and
+common matches and the marks are all measured. Indexing is timed without the full-text index
+first (its cost is the difference), then as `trace-proxy ui` starts.
+
+    python benchmarks/viewer.py                       # 30,000 trajectories
+    python benchmarks/viewer.py --steps 90            # 100,000: the run recorded in RESULTS.md
     python benchmarks/viewer.py --from traces --step-size 10000 --steps 20
 """
 
@@ -19,6 +27,8 @@ import asyncio
 import gc
 import os
 import random
+import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -37,6 +47,8 @@ from trace_proxy.ui.index import StoreIndex
 from trace_proxy.ui.server import start
 
 ROLLOUTS = 16
+NEEDLE, NEEDLE_EVERY = "zanzibar", 9_973
+AMBIGUOUS_EVERY = 997
 
 
 def rss_bytes() -> int:
@@ -68,9 +80,29 @@ def write_store(root: Path, sources: list[dict[str, Any]], args: argparse.Namesp
                                  "step": step, "sample_index": n // ROLLOUTS,
                                  "rollout_n": n % ROLLOUTS}  # fmt: skip
                 record["reward"] = float(rng.random() < 0.4 + 0.02 * step)
+                if written % NEEDLE_EVERY == 0:
+                    record["calls"] = with_needle(record["calls"])
+                if written % AMBIGUOUS_EVERY == 0:
+                    marked = {**record["key"].get("sources", {}),
+                               "trajectory_id": "inferred:ambiguous"}  # fmt: skip
+                    record["key"] = {**record["key"], "sources": marked}
                 handle.write(orjson.dumps(record) + b"\n")
                 written += 1
     return written
+
+
+def with_needle(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The calls with NEEDLE in the first response (the template's own calls left alone)."""
+    calls = orjson.loads(orjson.dumps(calls))
+    output = calls[0]["outputs"][0]
+    for name in ("text", "response_text"):
+        if isinstance(output.get(name), str):
+            output[name] += f" {NEEDLE}"
+    return calls
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 async def timed_get(session: aiohttp.ClientSession, url: str, rounds: int) -> list[float]:
@@ -84,7 +116,15 @@ async def timed_get(session: aiohttp.ClientSession, url: str, rounds: int) -> li
     return times
 
 
+def plain_index(store: Path) -> tuple[float, float]:
+    """Seconds (wall, CPU) to build the index without the full-text one."""
+    began, cpu = time.perf_counter(), time.process_time()
+    StoreIndex([store]).refresh(True)
+    return time.perf_counter() - began, time.process_time() - cpu
+
+
 async def measure(store: Path, rounds: int) -> dict[str, Any]:
+    plain = plain_index(store)
     gc.collect()
     before = rss_bytes()
     began, cpu = time.perf_counter(), time.process_time()
@@ -94,6 +134,7 @@ async def measure(store: Path, rounds: int) -> dict[str, Any]:
     index: StoreIndex = viewer.index
     trajectories = sum(r.trajectories for r in index.runs.values())
     held = rss_bytes() - before
+    text_bytes = viewer.text.path.stat().st_size
     run = next(iter(index.runs.values()))
     step = run.steps[(False, 1)]
     base = f"{url}run/0/bench/viewer"
@@ -105,18 +146,46 @@ async def measure(store: Path, rounds: int) -> dict[str, Any]:
         "step page, rollouts by reward, reward >= 1": f"{base}/step/1?order=reward&min=1",
         "step page, text search over the step's records": f"{base}/step/1?q=London",
         "steps of the run": f"{base}/",
-        "a trajectory": f"{base}/t/{step.entries[5000].id}",
+        "a trajectory": f"{base}/t/{step.entries[len(step.entries) // 2].id}",
         "compare 8 rollouts of a group": f"{base}/compare?" + "&".join(f"id={i}" for i in group),
     }
-    results = {}
+    searches = {
+        f"run search: a rare word ({NEEDLE})": f"{base}/search?q={NEEDLE}",
+        "run search: a common word (London)": f"{base}/search?q=London",
+        "run search: London, page 100": f"{base}/search?q=London&page=100",
+        'run search: a phrase ("the answer")': f"{base}/search?q=%22the+answer%22",
+        "run search: London and reward >= 1": f"{base}/search?q=London&min_reward=1",
+        "run search: reward >= 1, steps 10-40": f"{base}/search?"
+        + "min_reward=1&min_step=10&max_step=40",
+        "run search: status error": f"{base}/search?status=error",
+        "run search: ambiguous keys": f"{base}/search?ambiguous=1",
+        "run search: tool get_weather": f"{base}/search?tool=get_weather",
+    }
+    results, found = {}, {}
     async with aiohttp.ClientSession() as session:
         for name, page in pages.items():
             times = await timed_get(session, page, rounds)
             results[name] = (statistics.median(times), max(times))
+        for name, page in searches.items():
+            times = await timed_get(session, page, rounds)
+            results[name] = (statistics.median(times), max(times))
+            async with session.get(page) as response:
+                counted = re.search(r"([\d,]+) trajectories found", await response.text())
+            found[name] = counted.group(1) if counted else "?"
+    entries = [e for s in run.steps.values() for e in s.entries]
+    for word in (NEEDLE, "London"):
+        began = time.perf_counter()
+        hits = await asyncio.to_thread(index.search, entries, word)
+        name = f"naive peer: every record of the run read for {word}"
+        results[name] = (time.perf_counter() - began,) * 2
+        found[name] = f"{len(hits):,}"
+    peak = peak_rss_bytes()
     await runner.cleanup()
     size = sum(p.stat().st_size for p in store.rglob("*.jsonl"))
     return {"indexed": indexed, "indexed_cpu": indexed_cpu, "trajectories": trajectories,
-            "bytes": size, "held": held, "step": len(step.entries), "pages": results}  # fmt: skip
+            "bytes": size, "held": held, "step": len(step.entries), "pages": results,
+            "plain": plain, "text_bytes": text_bytes, "found": found, "rss": rss_bytes(),
+            "peak": peak}  # fmt: skip
 
 
 def main() -> None:
@@ -143,10 +212,14 @@ def main() -> None:
           f"at start in {result['indexed']:.2f} s ({result['indexed_cpu']:.2f} s CPU); "
           f"index memory {result['held'] / 1e6:.0f} MB "
           f"({result['held'] / result['trajectories']:.0f} bytes per trajectory)")  # fmt: skip
-    print(f"| page (step of {result['step']:,} trajectories) | median s | max s |")
-    print("|---|---|---|")
+    print(f"without the full-text index: {result['plain'][0]:.2f} s "
+          f"({result['plain'][1]:.2f} s CPU); full-text index on disk "
+          f"{result['text_bytes'] / 1e6:,.0f} MB; RSS at the end {result['rss'] / 1e6:,.0f} MB, "
+          f"peak {result['peak'] / 1e6:,.0f} MB")  # fmt: skip
+    print(f"| page (step of {result['step']:,} trajectories) | median s | max s | found |")
+    print("|---|---|---|---|")
     for name, (median, worst) in result["pages"].items():
-        print(f"| {name} | {median:.3f} | {worst:.3f} |")
+        print(f"| {name} | {median:.3f} | {worst:.3f} | {result['found'].get(name, '')} |")
 
 
 if __name__ == "__main__":

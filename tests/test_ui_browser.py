@@ -331,7 +331,7 @@ def test_drifting_calls_are_listed_and_marked(
             f"{prefix['got']} {json.dumps(prefix['got_text'])}",
         ]
         assert all(m.is_displayed() for m in marks)
-        assert driver.save_screenshot(str(shots / "08-drift.png"))
+        assert driver.save_screenshot(str(shots / "09-drift.png"))
         rows[0].find_element(By.TAG_NAME, "a").click()
 
         wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
@@ -342,10 +342,49 @@ def test_drifting_calls_are_listed_and_marked(
         first = driver.find_element(By.CSS_SELECTOR, "#turn-0 .drift-mark[data-kind=prefix]")
         assert first.is_displayed() and f"at its token {prefix['at']}" in first.text
         assert f"{prefix['got']} {json.dumps(prefix['got_text'])}" in first.text
-        assert driver.save_screenshot(str(shots / "09-drift-trajectory.png"))
+        assert driver.save_screenshot(str(shots / "10-drift-trajectory.png"))
 
 
 def text_of(driver: Any, css: str) -> str:
     from selenium.webdriver.common.by import By
 
     return str(driver.find_element(By.CSS_SELECTOR, css).text)
+
+
+def test_a_user_searches_every_step_of_a_run_and_opens_a_result(
+    browser: object, viewer_url: str, demo_store: Path, shots: Path
+) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    assert isinstance(browser, WebDriver)
+    driver = browser
+    wait = WebDriverWait(driver, WAIT)
+    stored = {r["id"]: r for _, r in iter_records(demo_store) if r.get("record") == "trajectory"}
+    rewarded = {i for i, r in stored.items() if b"London" in orjson.dumps(r)
+                and (r.get("reward") or 0) >= 1}  # fmt: skip
+    assert rewarded, "the demo answers the London task well at least once"
+
+    # The run page's form: words and a reward range, over every step.
+    driver.get(viewer_url)
+    driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
+    form = wait.until(ec.presence_of_element_located((By.ID, "search-form")))
+    form.find_element(By.NAME, "q").send_keys("london")
+    form.find_element(By.NAME, "min_reward").send_keys("1")
+    form.find_element(By.ID, "search-submit").click()
+    wait.until(ec.presence_of_element_located((By.ID, "search-count")))
+    assert "q=london" in driver.current_url and "min_reward=1" in driver.current_url
+    rows = driver.find_elements(By.CSS_SELECTOR, "#search-results tr.result")
+    links = [r.find_element(By.CSS_SELECTOR, "a.result-link") for r in rows]
+    found = {str(a.get_attribute("href")).rsplit("/", 1)[-1] for a in links}
+    assert found == rewarded
+    marks = driver.find_elements(By.CSS_SELECTOR, "#search-results td.snippet mark")
+    assert marks and all(m.text.lower() == "london" and m.is_displayed() for m in marks)
+    driver.save_screenshot(str(shots / "11-run-search.png"))
+
+    # A result opens its trajectory.
+    links[0].click()
+    wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
+    assert driver.current_url.rsplit("/", 1)[-1] in rewarded

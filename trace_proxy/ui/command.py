@@ -13,7 +13,8 @@ def add_ui_command(commands: Any) -> None:
         "ui",
         help="browse stored rollouts in a web browser (steps, GRPO groups, trajectories)",
         description="Serve a local web viewer of jsonl stores: runs, steps, a step's GRPO groups "
-        "side by side, a trajectory turn by turn, sibling rollouts compared. It follows stores "
+        "side by side, a trajectory turn by turn, sibling rollouts compared, a run searched "
+        "across its steps. It follows stores "
         "a running proxy is still writing.",
     )
     ui.add_argument(
@@ -33,10 +34,15 @@ def add_ui_command(commands: Any) -> None:
         help="a local tokenizer directory: token texts beside their logprobs "
         "(needs trace-proxy[text]); without it, token ids",
     )  # fmt: skip
+    ui.add_argument(
+        "--index-dir", metavar="DIR",
+        help="where the search's full-text index is built (a temporary directory in it, "
+        "removed on exit; never inside a store) [default: the system's temporary directory]",
+    )  # fmt: skip
 
 
 def run_ui_command(args: dict[str, Any]) -> int:
     from trace_proxy.ui.server import run_ui
 
     stores: list[str] = args["stores"]
-    return run_ui(stores, args["host"], args["port"], args["tokenizer"])
+    return run_ui(stores, args["host"], args["port"], args["tokenizer"], args.get("index_dir"))

@@ -25,7 +25,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -137,6 +137,16 @@ class StepStats:
 StepKey = tuple[bool, int | None]  # (validate, step)
 
 
+class Follower(Protocol):
+    """What else is kept of each trajectory read (the search's text index), told as it is read."""
+
+    def added(self, run: Run, entry: Entry, record: dict[str, Any]) -> None: ...
+
+    def cleared(self, run: Run) -> None: ...  # the run's files are read again from their start
+
+    def caught_up(self) -> None: ...  # a refresh ended
+
+
 @dataclass
 class Step:
     entries: list[Entry] = field(default_factory=list)
@@ -221,6 +231,7 @@ class StoreIndex:
         self.min_interval = min_interval
         self._refreshed = -math.inf
         self._lock = threading.RLock()
+        self.followers: list[Follower] = []
 
     @property
     def lock(self) -> threading.RLock:
@@ -246,6 +257,8 @@ class StoreIndex:
                     run.paths += [path for path in paths if path not in run.paths]
             for run in self.runs.values():
                 self._refresh_run(run)
+            for follower in self.followers:
+                follower.caught_up()
             return self.generation
 
     def _refresh_run(self, run: Run) -> None:
@@ -257,6 +270,8 @@ class StoreIndex:
             moved = state is not None and state.device_inode != identity
             if state is not None and (moved or info.st_size < state.offset):
                 run.clear()  # replaced or cut: read every file of the run again
+                for follower in self.followers:
+                    follower.cleared(run)
                 self.generation += 1
                 self._refresh_run(run)
                 return
@@ -308,6 +323,8 @@ class StoreIndex:
             entry = entry_of(record, state.number, offset, len(line))
             if entry is not None:
                 _add_entry(run, entry, record, state.path.parent)
+                for follower in self.followers:
+                    follower.added(run, entry, record)
             else:
                 run.unreadable += 1
         elif kind == "annotation":

@@ -29,8 +29,9 @@ from trace_proxy.config import Settings
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
 from trace_proxy.store.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
-from trace_proxy.ui import history, views
+from trace_proxy.ui import history, search, views
 from trace_proxy.ui.index import Entry, Run, StepKey, StoreIndex
+from trace_proxy.ui.textindex import SearchUnavailable, TextIndex
 
 GROUPS_PER_PAGE = 50
 STEPS_PER_PAGE = 25  # of one prompt's history: two records read per step shown
@@ -116,8 +117,14 @@ def _environment() -> jinja2.Environment:
 class Viewer:
     """The app's state: the index, the templates, the address served."""
 
-    def __init__(self, index: StoreIndex, piece: views.Piece | None = None) -> None:
+    def __init__(
+        self, index: StoreIndex, piece: views.Piece | None = None, text: TextIndex | None = None
+    ) -> None:
         self.index = index
+        if text is None:  # a temporary one, read from the stores again (`TextIndex.attach`)
+            text = TextIndex()
+            text.attach(index)
+        self.text = text  # removed with the app (`on_cleanup`)
         self.piece = piece  # a token's text, for the logprobs strip
         self.env = _environment()
         self.allowed_hosts: set[str] | None = None  # set once listening on loopback
@@ -136,7 +143,12 @@ class Viewer:
         app.router.add_get(base + "/compare", self.compare_page)
         app.router.add_get(base + "/prompt/{hash}", self.prompt_page)
         app.router.add_get(base + "/drift", self.drift_page)
+        app.router.add_get(base + "/search", self.search_page)
+        app.on_cleanup.append(self._close_text)
         return app
+
+    async def _close_text(self, app: web.Application) -> None:
+        await asyncio.to_thread(self.text.close)
 
     @web.middleware
     async def _guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -430,6 +442,27 @@ class Viewer:
             page=page, pages=pages,
         )  # fmt: skip
 
+    async def search_page(self, request: web.Request) -> web.Response:
+        """Trajectories of every step of the run, by text and filters (`search.py`)."""
+        await self._refreshed()
+        query = search.Query.of(request.query)
+
+        def find() -> tuple[Run, search.Results | None]:
+            with self.index.lock:
+                run = self._run(request)
+                if query.problems or not query.asked:
+                    return run, None
+                return run, search.search(self.text, run, query)
+
+        run, results = await asyncio.to_thread(find)
+        status = 400 if query.problems or (results is not None and results.error) else 200
+        response = self._render(
+            "search.html", run=run, query=query, params=request.query, results=results,
+            filters={k: v for k, v in request.query.items() if k != "page" and v},
+        )  # fmt: skip
+        response.set_status(status)
+        return response
+
     async def generation(self, request: web.Request) -> web.Response:
         return web.json_response({"generation": await self._refreshed()})
 
@@ -636,16 +669,28 @@ async def start(
     host: str = "127.0.0.1",
     port: int = 8300,
     piece: views.Piece | None = None,
+    index_dir: str | Path | None = None,
 ) -> tuple[web.AppRunner, str, Viewer]:
-    """Index the stores and listen; returns the runner (to clean up), the URL and the viewer."""
+    """Index the stores and listen; returns the runner (to clean up), the URL and the viewer.
+    The search's index is a temporary directory in `index_dir` (else the system's)."""
     index = StoreIndex(stores)
-    await asyncio.to_thread(index.refresh, True)
-    viewer = Viewer(index, piece)
+    text = TextIndex(index_dir)
+    text.attach(index)
+    try:
+        await asyncio.to_thread(index.refresh, True)
+    except BaseException:
+        text.close()
+        raise
+    viewer = Viewer(index, piece, text)
     limits = ClientLimits.of(Settings())  # the proxy's defaults
     runner = LimitedAppRunner(viewer.app(), limits, Rejections(None, "the viewer"), access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()  # the search's index removed with the app
+        raise
     server = site._server
     sockets = getattr(server, "sockets", None) or []
     bound = sockets[0].getsockname()[1] if sockets else port
@@ -656,6 +701,19 @@ async def start(
     return runner, f"http://{shown}:{bound}/", viewer
 
 
+def index_dir_problem(index_dir: str | None, stores: Sequence[str]) -> str | None:
+    """Why the search's index cannot go in `index_dir`: the viewer never writes into a store."""
+    if index_dir is None:
+        return None
+    place = Path(index_dir).resolve()
+    if not place.is_dir():
+        return f"not a directory: {index_dir}"
+    for store in stores:
+        if place.is_relative_to(Path(store).resolve()):
+            return f"{index_dir} is inside the store {store}, which the viewer only reads"
+    return None
+
+
 def token_pieces(source: str) -> views.Piece:
     """Each token id's text, from a tokenizer (a local directory: nothing is downloaded)."""
     from trace_proxy.trajectories.token2text import decoder_for, load_tokenizer
@@ -664,12 +722,22 @@ def token_pieces(source: str) -> views.Piece:
     return lambda token: decode([token])
 
 
-def run_ui(stores: Sequence[str], host: str, port: int, tokenizer: str | None = None) -> int:
+def run_ui(
+    stores: Sequence[str],
+    host: str,
+    port: int,
+    tokenizer: str | None = None,
+    index_dir: str | None = None,
+) -> int:
     from trace_proxy.trajectories.token2text import TokenizerError
 
     missing = [s for s in stores if not Path(s).is_dir()]
     if missing:
         print(f"trace-proxy: error: not a directory: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    problem = index_dir_problem(index_dir, stores)
+    if problem:
+        print(f"trace-proxy: error: invalid value for --index-dir: {problem}", file=sys.stderr)
         return 2
     try:
         piece = token_pieces(tokenizer) if tokenizer else None
@@ -680,11 +748,14 @@ def run_ui(stores: Sequence[str], host: str, port: int, tokenizer: str | None = 
 
     async def serve() -> int:
         try:
-            runner, url, _ = await start(stores, host, port, piece)
+            runner, url, _ = await start(stores, host, port, piece, index_dir)
         except OSError as exc:
             print(f"trace-proxy: error: cannot listen on {host}:{port}: {exc.strerror or exc}",
                   file=sys.stderr)  # fmt: skip
             return 1
+        except SearchUnavailable as exc:
+            print(f"trace-proxy: error: {exc}", file=sys.stderr)
+            return 2
         print(f"trace-proxy ui: {url}  (stores: {', '.join(stores)}; Ctrl-C stops)", flush=True)
         if not is_loopback(host):
             print(f"trace-proxy ui: warning: listening on {host}: whoever can reach this port "
