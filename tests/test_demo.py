@@ -142,6 +142,23 @@ def test_policy_reads_the_question_and_errs_plausibly(qwen_tokenizer: Any) -> No
         assert 0 < len(guesses) < 25
 
 
+def test_a_question_without_a_lookup_never_passes_its_first_word(qwen_tokenizer: Any) -> None:
+    """Nothing to compute and no city named: the calls still name a word of the question,
+    never the one that starts it, and never the whole question where one word is asked."""
+    model = TextModel(qwen_tokenizer)
+    messages = [{"role": "user", "content": "What should I wear this weekend, given the forecast?"}]
+    cities = [
+        json.loads(call)["arguments"]["city"]
+        for seed in range(50)
+        for call in re.findall(
+            r"<tool_call>\n(.*)\n", model.plan_chat(messages, TOOLS, "auto", seed)
+        )
+        if json.loads(call)["name"] == "get_weather"
+    ]
+    assert cities and "What" not in cities
+    assert all(city in messages[0]["content"] for city in cities)
+
+
 def test_lookups_and_mistakes() -> None:
     assert [(lk.kind, lk.value) for lk in lookups_in("What is 17 * 23 + 4?")] == [
         ("arithmetic", "17 * 23 + 4")

@@ -31,6 +31,7 @@ from .policy import (
     asked_arguments,
     guess,
     mistaken,
+    places_in,
     planned_calls,
     user_question,
 )
@@ -245,7 +246,9 @@ class TextModel:
         text = ascii_text(message_text(user.get("content")), 80)
         words = [w.strip(".,;:!?\"'()") for w in text.split()]
         words = [w for w in words if len(w) > 2] or ["example"]
-        entity = next((w for w in reversed(words) if w[:1].isupper()), rng.choice(words))
+        guessed = rng.choice(words[1:] or words)
+        names_in_text = places_in(text)  # a sentence's first word is no name
+        entity = names_in_text[-1] if names_in_text else guessed
         props = schema.get("properties") or {}
         names = schema.get("required") or list(props)
         args: JSON = {}
