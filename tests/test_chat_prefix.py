@@ -306,7 +306,7 @@ async def test_openai_agent_with_tools_stores_each_reply_once(
 
 async def agent_loop(client: AsyncOpenAI, trajectory: str, edit: bool) -> None:
     """Tool rounds until the model answers: turn 1 plain, turn 2 streamed, turn 3 with n=2."""
-    messages: list[Any] = [{"role": "user", "content": "Weather in Oslo today?"}]
+    messages: list[Any] = [{"role": "user", "content": "Weather in Oslo, Bergen and Tromso today?"}]
     headers = {"X-Rollout-Trajectory-Id": trajectory}
     for turn in range(6):
         kwargs: Json = {"model": "tiny-qwen", "messages": messages, "tools": [WEATHER_TOOL],

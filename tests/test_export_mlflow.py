@@ -67,6 +67,7 @@ TOOLS = [
         },
     }
 ]
+QUESTION = "Weather in Paris and Berlin?"  # two cities: a tool call in each of two turns
 CHATML = "<|im_start|>user\nSay hi.<|im_end|>\n<|im_start|>assistant\n"
 MORE = "<|im_end|>\n<|im_start|>user\nAgain.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -127,7 +128,7 @@ async def rollouts_a_and_b(
     admin = service.addresses.admin
     done = {"X-Rollout-Done": "true"}
     # A: chat with a tool call, and a reward while it is open.
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    messages: list[dict[str, Any]] = [{"role": "user", "content": QUESTION}]
     body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "max_tokens": 40}
     async with http.post(proxy + "/v1/chat/completions", json=body,
                          headers=key(1, 0, "a")) as response:  # fmt: skip
@@ -207,7 +208,7 @@ async def test_trajectories_round_trip_through_mlflow(
     }  # fmt: skip
     assert info.trace_metadata["mlflow.sourceRun"] == run.info.run_id
     assert info.state.value == "OK"
-    assert info.request_preview == "Weather in Paris?"
+    assert info.request_preview == QUESTION
     assert info.token_usage == {
         "input_tokens": sum(call["usage"]["prompt_tokens"] for call in a["calls"]),
         "output_tokens": sum(call["usage"]["completion_tokens"] for call in a["calls"]),
@@ -233,7 +234,7 @@ async def test_trajectories_round_trip_through_mlflow(
         ns(tool_record["start"]), ns(tool_record["end"])
     )  # fmt: skip
     assert llm1.inputs == {
-        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "messages": [{"role": "user", "content": QUESTION}],
         "tools": TOOLS,
         "sampling_params": {"max_tokens": 40},
     }
@@ -245,7 +246,7 @@ async def test_trajectories_round_trip_through_mlflow(
     assert tool.inputs == {"city": "Paris"}
     assert tool.outputs == "18C"
     assert tool.get_attribute("call_id") == tool_call["id"]
-    assert root.inputs == {"messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    assert root.inputs == {"messages": [{"role": "user", "content": QUESTION}]}
     assert root.outputs["reward"] == 1.0 and root.outputs["num_turns"] == 2
 
     trace = mlflow.get_trace(trace_id_of(b["id"]))
@@ -761,7 +762,7 @@ async def test_http_path_exports_recorded_trajectories_over_otlp(
         ns(tool_record["start"]), ns(tool_record["end"])
     )  # fmt: skip
     assert llm1.attributes["mlflow.spanInputs"] == {
-        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "messages": [{"role": "user", "content": QUESTION}],
         "tools": TOOLS,
         "sampling_params": {"max_tokens": 40},
     }
@@ -773,7 +774,7 @@ async def test_http_path_exports_recorded_trajectories_over_otlp(
     assert tool.attributes["mlflow.spanOutputs"] == "18C"
     assert tool.attributes["call_id"] == tool_call["id"]
     assert root.attributes["mlflow.spanInputs"] == {
-        "messages": [{"role": "user", "content": "Weather in Paris?"}]
+        "messages": [{"role": "user", "content": QUESTION}]
     }
     assert root.attributes["mlflow.spanOutputs"]["reward"] == 1.0
 

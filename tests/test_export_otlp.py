@@ -144,7 +144,7 @@ async def recorded(qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory
 
 
 async def chat_rollout(session: aiohttp.ClientSession, proxy: str) -> None:
-    messages: list[Json] = [{"role": "user", "content": "Weather in Paris?"}]
+    messages: list[Json] = [{"role": "user", "content": "Weather in Paris and Berlin?"}]
     body = {"model": "tiny-qwen", "messages": messages, "tools": TOOLS, "temperature": 0.7,
             "top_p": 0.9, "max_tokens": 64, "seed": 7, "stop": ["</s>"]}  # fmt: skip
     async with session.post(proxy + "/v1/chat/completions", json=body, headers=CHAT_KEY) as r:
@@ -261,13 +261,13 @@ async def test_a_chat_rollout_is_an_agent_span_with_chat_and_tool_children(
     [asked] = t["calls"][0]["outputs"][0]["tool_calls"]
     tool_call = {"type": "tool_call", "id": asked["id"], "name": "get_weather",
                  "arguments": {"city": "Paris"}}  # fmt: skip
-    assert messages(calls[0], "input") == [text("Weather in Paris?")]
+    assert messages(calls[0], "input") == [text("Weather in Paris and Berlin?")]
     assert messages(calls[0], "output") == [
         {"role": "assistant", "parts": [tool_call], "finish_reason": "tool_calls"}
     ]
     # The second prompt is stored as a suffix of the first; the span carries all of it.
     assert messages(calls[1], "input") == [
-        text("Weather in Paris?"),
+        text("Weather in Paris and Berlin?"),
         {"role": "assistant", "parts": [tool_call]},
         {"role": "tool", "parts": [
             {"type": "tool_call_response", "id": asked["id"], "response": TOOL_RESULT}]},

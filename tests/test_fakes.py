@@ -569,10 +569,13 @@ async def test_chat_stream_plain_content(fake_vllm: tuple[FakeVLLM, str]) -> Non
 
 
 async def test_agent_loop_calls_tools_then_answers(fake_vllm: tuple[FakeVLLM, str]) -> None:
-    """1-3 tool rounds chosen from the prompt, then an answer quoting the tool result; the
-    token-level route answers the rendered conversation with the same tokens."""
+    """A tool round per city until each named one was looked up, then an answer stating what
+    the tools returned for the cities asked; the token-level route answers the rendered
+    conversation (its calls read back from ChatML) with the same tokens."""
     _, url = fake_vllm
-    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Oslo today?"}]
+    question = "Weather in Oslo, Bergen and Tromso today?"
+    messages: list[dict[str, Any]] = [{"role": "user", "content": question}]
+    asked: list[str] = []
     rounds = 0
     for _ in range(6):
         body = await post_json(
@@ -595,11 +598,18 @@ async def test_agent_loop_calls_tools_then_answers(fake_vllm: tuple[FakeVLLM, st
         if not message.get("tool_calls"):
             break
         rounds += 1
-        call = message["tool_calls"][0]
-        messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        messages.append({"role": "tool", "tool_call_id": call["id"], "content": '{"temp_c": 18}'})
-    assert 1 <= rounds <= 3
-    assert '{"temp_c": 18}' in message["content"]
+        calls = message["tool_calls"]
+        messages.append({"role": "assistant", "content": None, "tool_calls": calls})
+        for call in calls:  # a result that leaves its city out, as a terse tool would
+            asked.append(json.loads(call["function"]["arguments"])["city"])
+            temp = 10 + len(asked)
+            messages.append(
+                {"role": "tool", "tool_call_id": call["id"], "content": f'{{"temp_c": {temp}}}'}
+            )
+    assert 1 <= rounds <= 3 and len(asked) == 3
+    assert sum(city in question for city in asked) >= 2  # a mistake, if any, is one city
+    facts = "; ".join(f"{city} is {11 + n} C" for n, city in enumerate(asked))
+    assert message["content"].startswith(facts + ".")
 
 
 async def test_openai_client_chat_tools_stream_and_completions(

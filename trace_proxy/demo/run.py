@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,75 +21,11 @@ import aiohttp
 
 from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
+from trace_proxy.demo.tasks import TASKS, TOOLS, reward_of, run_tool
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.readers import iter_records
 
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather of a city",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string"}},
-                "required": ["city"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {
-            "name": "calculator",
-            "description": "Evaluate an arithmetic expression",
-            "parameters": {
-                "type": "object",
-                "properties": {"expression": {"type": "string"}},
-                "required": ["expression"],
-            },
-        },
-    },
-]
-TASKS = [
-    "Is it warmer in Paris or in Oslo right now?",
-    "What is 17 * 23 + 4?",
-    "Should I take an umbrella in London today?",
-    "How many seconds are there in 3.5 hours?",
-    "Compare the weather in Tokyo and Sydney.",
-    "What is the average of 12, 19 and 44?",
-    "Is it a good day for a picnic in Rome?",
-    "What is 2 to the power of 16?",
-]
 MAX_TURNS = 6
-
-
-def run_tool(name: str, arguments: str) -> str:
-    """Deterministic stand-ins for the environment's tools."""
-    try:
-        args = json.loads(arguments or "{}")
-    except json.JSONDecodeError as exc:
-        return f"Error when executing tool: arguments are not JSON ({exc})"
-    if name == "get_weather":
-        city = str(args.get("city", "?"))
-        temp = sum(map(ord, city)) % 30
-        return json.dumps(
-            {"city": city, "temp_c": temp, "sky": ["sunny", "cloudy", "rain"][temp % 3]}
-        )
-    if name == "calculator":
-        expression = str(args.get("expression", ""))
-        return json.dumps({"expression": expression, "result": len(expression) * 7})
-    return f"Error when executing tool: unknown tool {name!r}"
-
-
-def reward_of(sample: int, messages: list[dict[str, Any]], answered: bool) -> float:
-    """What a verifier would say: 1 for an answer reached with only the task's tool (weather
-    tasks are the even ones), 0.5 when a wrong tool was called too, 0 for no answer or no tool."""
-    wanted = "get_weather" if sample % 2 == 0 else "calculator"
-    calls = [c for m in messages for c in m.get("tool_calls") or []]
-    used = {c["function"]["name"] for c in calls if "function" in c}
-    if not answered or wanted not in used:
-        return 0.0
-    return 1.0 if used == {wanted} else 0.5
 
 
 async def rollout(
@@ -103,9 +38,10 @@ async def rollout(
         "X-Rollout-Sample-Index": str(sample),
         "X-Rollout-N": str(rollout_n),
     }
+    task = TASKS[sample % len(TASKS)]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You are a helpful agent. Use the tools."},
-        {"role": "user", "content": TASKS[sample % len(TASKS)]},
+        {"role": "user", "content": task.question},
     ]
     for turn in range(1, MAX_TURNS + 1):
         kwargs: dict[str, Any] = {
@@ -128,7 +64,7 @@ async def rollout(
             tool_calls = [tc.model_dump() for tc in message.tool_calls or []]
         messages.append({"role": "assistant", "content": content, "tool_calls": tool_calls or None})
         if not tool_calls:
-            return turn, reward_of(sample, messages, answered=True)
+            return turn, reward_of(task, content)
         for call in tool_calls:
             fn = call["function"]
             messages.append(
@@ -138,7 +74,7 @@ async def rollout(
                     "content": run_tool(fn["name"], fn["arguments"]),
                 }
             )
-    return MAX_TURNS, reward_of(sample, messages, answered=False)
+    return MAX_TURNS, 0.0  # no answer within the turns allowed
 
 
 async def _streamed_turn(client: Any, kwargs: dict[str, Any]) -> tuple[str | None, list[Any]]:
@@ -219,7 +155,10 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
                     for n in range(rollouts)
                 )
             )
-            # The verifier's rewards, posted as a trainer would (trace_proxy.client.post_reward).
+            # The verifier's rewards, posted as a trainer would (trace_proxy.client.post_reward),
+            # once the proxy has parsed the step's calls: a reward for calls still queued
+            # behind it would find no trajectory to attach to.
+            await service.flush()
             keys = [(sample, n) for sample in range(samples) for n in range(rollouts)]
             admin = str(addresses.admin)
             posts = [

@@ -11,17 +11,19 @@ the RL control routes and weight-version spans.
 The "model" is deterministic: the output is chosen from a hash of the prompt token ids, its
 token ids are the real Qwen tokenizer's encoding of that text (+ `<|im_end|>` at a stop), chat
 prompts are rendered with the tokenizer's chat template so `prompt_token_ids` are real, and with
-`tools` it emits Hermes `<tool_call>` blocks that are parsed the way vLLM's `hermes` tool parser
+`tools` it looks up what the question asks (its arithmetic, the cities it names; now and then
+wrongly) in Hermes `<tool_call>` blocks that are parsed the way vLLM's `hermes` tool parser
 does. ChatML prompts sent as raw text or token ids get the same answers as the chat route.
 
 The pieces that are not vLLM-specific (`TextModel`, `Engine`, `AbortLog`, `SSEStream`,
 `SimulatedServer`, `start_app`) are shared with the fake SGLang server in the tests.
 
 The package splits by route family, as vLLM's `entrypoints/openai/` does: `model` (the
-deterministic model), `chatml` and `hermes` (prompts read back, tool calls parsed), `engine`
-(pacing, pauses, aborts, weight versions), `sse` and `server` (what both fakes share as
-servers), then the vLLM side: `errors`, `parsing`, `logprobs`, `base` (what every route family
-shares), `completions`, `chat`, `generate`, `control`, `utility` and `app` (the server).
+deterministic model) and `policy` (which tool a question needs, with what arguments), `chatml`
+and `hermes` (prompts read back, tool calls parsed), `engine` (pacing, pauses, aborts, weight
+versions), `sse` and `server` (what both fakes share as servers), then the vLLM side: `errors`,
+`parsing`, `logprobs`, `base` (what every route family shares), `completions`, `chat`,
+`generate`, `control`, `utility` and `app` (the server).
 """
 
 from .app import SimulatedVLLM

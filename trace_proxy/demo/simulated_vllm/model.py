@@ -3,7 +3,8 @@
 The output is chosen from a hash of the prompt token ids, its token ids are the real Qwen
 tokenizer's encoding of that text (+ `<|im_end|>` at a stop), chat prompts are rendered with
 the tokenizer's chat template so `prompt_token_ids` are real, and with tools it writes Hermes
-`<tool_call>` blocks. Tokenizing, rendering and sampling are cached: the simulator sits on the
+`<tool_call>` blocks: for the lookups the question needs (policy.py), then the answer their
+results give. Tokenizing, rendering and sampling are cached: the simulator sits on the
 latency benchmarks' hot path.
 """
 
@@ -22,6 +23,18 @@ import orjson
 
 from .chatml import ascii_text, message_text, parse_chatml, tool_rounds
 from .hermes import TOOL_CALL_END, TOOL_CALL_START
+from .policy import (
+    GUESS_RATE,
+    MISTAKE_RATE,
+    PARALLEL_RATE,
+    answer_from,
+    asked_arguments,
+    guess,
+    mistaken,
+    places_in,
+    planned_calls,
+    user_question,
+)
 from .wire import DEFAULT_MAX_MODEL_LEN, JSON, hex_digest
 
 _WORDS = (
@@ -189,10 +202,15 @@ class TextModel:
     def plan_chat(
         self, messages: Sequence[JSON], tools: Sequence[JSON], tool_choice: Any, seed: int
     ) -> str:
-        """The assistant's next turn: a Hermes tool call while rounds remain, else an answer."""
+        """The assistant's next turn: the lookups the question needs (policy.py), then the
+        answer their results give; for other questions, tool calls while rounds remain."""
         rng = random.Random(seed)
         functions = [t.get("function", t) for t in tools if isinstance(t, dict)]
         functions = [f for f in functions if isinstance(f, dict) and f.get("name")]
+        if functions and tool_choice != "none" and not isinstance(tool_choice, dict):
+            planned = self._plan_lookups(messages, functions, tool_choice, rng)
+            if planned is not None:
+                return planned
         first_user = next((m for m in messages if m.get("role") == "user"), {})
         target = 1 + int(hex_digest(message_text(first_user.get("content")), size=4), 16) % 3
         done = tool_rounds(messages)
@@ -205,8 +223,7 @@ class TextModel:
                 functions = [f for f in functions if f["name"] == name] or functions
             function = rng.choice(functions)
             args = self._arguments(function.get("parameters") or {}, messages, rng)
-            call = json.dumps({"name": function["name"], "arguments": args}, ensure_ascii=False)
-            return f"{TOOL_CALL_START}\n{call}\n{TOOL_CALL_END}"
+            return _tool_call_text([(function["name"], args)])
         sentence = rng.choice(_SENTENCES)
         results = [m for m in messages if m.get("role") == "tool"]
         if results and last_role == "tool":
@@ -216,13 +233,45 @@ class TextModel:
         topic = ascii_text(message_text(user.get("content")), 40) or "your request"
         return f"Here is a short answer about {topic}. {sentence}"
 
+    def _plan_lookups(
+        self,
+        messages: Sequence[JSON],
+        functions: Sequence[JSON],
+        tool_choice: Any,
+        rng: random.Random,
+    ) -> str | None:
+        """The turn for a question the policy knows how to look up, or None."""
+        question, asked_at = user_question(messages)
+        planned = planned_calls(question, functions)
+        if planned is None:
+            return None
+        since = messages[asked_at + 1 :]
+        results = [message_text(m.get("content")) for m in since if m.get("role") == "tool"]
+        pending = planned[len(results) :]
+        if pending and tool_rounds(since) < 8:
+            if not results and tool_choice != "required" and rng.random() < GUESS_RATE:
+                return guess(question, rng)
+            count = len(pending) if rng.random() < PARALLEL_RATE else 1
+            calls = []
+            for function, parameter, lookup in pending[:count]:
+                args = self._arguments(function.get("parameters") or {}, messages, rng)
+                wrong = rng.random() < MISTAKE_RATE
+                args[parameter] = mistaken(lookup, rng) if wrong else lookup.value
+                calls.append((str(function["name"]), args))
+            return _tool_call_text(calls)
+        if tool_choice == "required":
+            return None
+        return answer_from(results, asked_arguments(since))
+
     @staticmethod
     def _arguments(schema: JSON, messages: Sequence[JSON], rng: random.Random) -> JSON:
         user = next((m for m in reversed(messages) if m.get("role") == "user"), {})
         text = ascii_text(message_text(user.get("content")), 80)
         words = [w.strip(".,;:!?\"'()") for w in text.split()]
         words = [w for w in words if len(w) > 2] or ["example"]
-        entity = next((w for w in reversed(words) if w[:1].isupper()), rng.choice(words))
+        guessed = rng.choice(words[1:] or words)
+        names_in_text = places_in(text)  # a sentence's first word is no name
+        entity = names_in_text[-1] if names_in_text else guessed
         props = schema.get("properties") or {}
         names = schema.get("required") or list(props)
         args: JSON = {}
@@ -301,3 +350,12 @@ class TextModel:
             alt = (token_id + 7919 * rank) % 151643
             out.append((alt, round(logprob - 0.75 * rank - 0.1, 4)))
         return out
+
+
+def _tool_call_text(calls: Sequence[tuple[str, JSON]]) -> str:
+    """Hermes `<tool_call>` blocks, one per call, as Qwen writes parallel calls."""
+    blocks = []
+    for name, arguments in calls:
+        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        blocks.append(f"{TOOL_CALL_START}\n{call}\n{TOOL_CALL_END}")
+    return "\n".join(blocks)
