@@ -76,6 +76,30 @@ async def test_rewards_while_open_after_export_and_for_unknown_trajectories(
     assert "no such trajectory stored here" in text
 
 
+async def test_a_reward_posted_as_soon_as_the_answer_came_back_lands_on_its_trajectory(
+    fake_vllm: tuple[FakeVLLM, str], tmp_path: Path
+) -> None:
+    """A trainer posts a rollout's reward the moment its last answer is back, before the proxy
+    has parsed that call: the reward waits for the calls forwarded before it (`queued`), then
+    lands on the trajectory, never as an annotation that names none."""
+    _, upstream = fake_vllm
+    async with running_proxy([upstream], tmp_path, step_close_grace=0) as (service, proxy):
+        assert service.addresses is not None and service.addresses.admin is not None
+        admin = service.addresses.admin
+        for sample in range(6):
+            await generate(proxy, key(1, sample))
+            where = await reward(admin, reward=float(sample), experiment="exp", step=1,
+                                 sample_index=sample, rollout_n=0)  # fmt: skip
+            assert where in ("open", "queued")
+        await generate(proxy, key(2, 0))  # step 1 ends
+        await service.flush()
+    records = [r for _, r in iter_records(tmp_path)]
+    rewards = {r["key"]["sample_index"]: r["reward"] for r in records
+               if r.get("record") == "trajectory" and r["key"]["step"] == 1}  # fmt: skip
+    assert rewards == {sample: float(sample) for sample in range(6)}
+    assert not [r for r in records if r.get("record") == "annotation"]
+
+
 async def test_a_reward_for_a_sampling_candidate_waits_with_it(
     fake_vllm: tuple[FakeVLLM, str], tmp_path: Path
 ) -> None:

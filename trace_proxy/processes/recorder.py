@@ -88,7 +88,7 @@ class Recorder:
             inference=self.inference,
             gate=self.gate,
         )
-        self._annotating: set[asyncio.Future[None]] = set()
+        self._annotating: dict[asyncio.Future[None], Outcome] = {}  # rewards waiting to be placed
         self.capture = CaptureStage(
             self.resolver,
             self.assembler,
@@ -307,8 +307,11 @@ class Recorder:
 
     async def flush(self) -> None:
         """Everything submitted so far is parsed and assembled, and what it closed is exported
-        by every backend (or counted)."""
+        by every backend (or counted), rewards posted so far included."""
         await self.capture.drain()
+        while self._annotating:  # rewards that waited for parsing, then what they closed
+            await asyncio.gather(*list(self._annotating))
+            await self.capture.drain()
         assert self.failure is not None, "start() first"
         flushing = asyncio.ensure_future(self.pipeline.flush())
         waits: list[asyncio.Future[Any]] = [flushing, self.failure]
@@ -325,13 +328,15 @@ class Recorder:
 
     async def annotate(self, payload: Any) -> str:
         """Attach a reward (RewardError when it is not one): where its trajectory was, or
-        `queued` for a `done` that waits for the calls forwarded before it to be parsed (it
-        closes what they belong to; the caller, at the end of a rollout, does not wait)."""
+        `queued` when the calls forwarded before it are still being parsed: it waits for them,
+        so it finds the trajectory they belong to (a trainer posts a rollout's reward as soon
+        as its last answer came back, and a `done` closes what they belong to); the caller
+        does not wait."""
         outcome = parse_outcome(payload)
-        if outcome.done and not self.capture.is_caught_up:
+        if not self.capture.is_caught_up:
             task = asyncio.ensure_future(self._annotate_when_caught_up(outcome))
-            self._annotating.add(task)
-            task.add_done_callback(self._annotating.discard)
+            self._annotating[task] = outcome
+            task.add_done_callback(lambda done: self._annotating.pop(done, None))
             return "queued"
         return self._annotate(outcome)
 
@@ -363,6 +368,10 @@ class Recorder:
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
         await self.capture.stop(timeout / 2 if bounded else None)
+        for task, outcome in list(self._annotating.items()):
+            # Parsed, or counted as dropped, by now: a reward still waiting is placed at once.
+            if not task.done() and task.cancel():
+                self._annotate(outcome)
         left = timeout - (loop.time() - began) if bounded else timeout
         await self.pipeline.close(max(left, 0.0))
         if self._session is not None:
