@@ -155,10 +155,9 @@ async def run_demo(settings: Settings, samples: int = 4, rollouts: int = 2, step
                     for n in range(rollouts)
                 )
             )
-            # The verifier's rewards, posted as a trainer would (trace_proxy.client.post_reward),
-            # once the proxy has parsed the step's calls: a reward for calls still queued
-            # behind it would find no trajectory to attach to.
-            await service.flush()
+            # The verifier's rewards, posted as a trainer would (trace_proxy.client.post_reward)
+            # as soon as the step's answers are back: a reward waits for the calls forwarded
+            # before it to be parsed, so it finds its trajectory.
             keys = [(sample, n) for sample in range(samples) for n in range(rollouts)]
             admin = str(addresses.admin)
             posts = [
