@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from trace_proxy.ui.index import Entry, StepKey
-from trace_proxy.ui.views import Piece, rollout_order, trajectory_view
+from trace_proxy.ui.views import Piece, Rollouts, rollout_order, trajectory_view
 
 ANSWER_CHARS = 2000  # of an answer shown in full on the page; the trajectory has the rest
 
@@ -27,22 +27,16 @@ class Answer:
 
 
 @dataclass
-class StepOfPrompt:
-    key: StepKey
-    rollouts: list[Entry]
-    best: Entry | None = None
-    worst: Entry | None = None  # None when the step's rewards do not differ
+class StepOfPrompt(Rollouts):
+    key: StepKey = (False, None)
     best_answer: Answer | None = None
-    worst_answer: Answer | None = None
+    worst_answer: Answer | None = None  # None when the step's rewards do not differ
 
     @property
-    def rewards(self) -> list[float]:
-        return [e.reward for e in self.rollouts if e.reward is not None and math.isfinite(e.reward)]
-
-    @property
-    def reward_mean(self) -> float | None:
-        rewards = self.rewards
-        return sum(rewards) / len(rewards) if rewards else None
+    def answered(self) -> Entry:
+        """The rollout whose answer leads the step: its best, else (rewards alike or none
+        known) its first."""
+        return self.best or self.rollouts[0]
 
     @property
     def reward_std(self) -> float | None:
@@ -50,11 +44,6 @@ class StepOfPrompt:
         if mean is None:
             return None
         return math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-
-    @property
-    def reward_spread(self) -> float | None:
-        rewards = self.rewards
-        return max(rewards) - min(rewards) if rewards else None
 
     @property
     def length(self) -> float:
@@ -75,20 +64,10 @@ def steps_of_prompt(entries: Sequence[Entry]) -> list[StepOfPrompt]:
     by_step: dict[StepKey, list[Entry]] = {}
     for entry in entries:
         by_step.setdefault((entry.validate, entry.step), []).append(entry)
-    steps = []
-    for key in sorted(by_step, key=lambda k: (k[0], -1 if k[1] is None else k[1])):
-        step = StepOfPrompt(key, sorted(by_step[key], key=rollout_order))
-        rewarded = [
-            e for e in step.rollouts if e.reward is not None and math.isfinite(e.reward)
-        ]  # fmt: skip
-        if rewarded:
-            step.best = max(rewarded, key=lambda e: e.reward or 0.0)
-            if len({e.reward for e in rewarded}) > 1:
-                step.worst = min(rewarded, key=lambda e: e.reward or 0.0)
-        else:
-            step.best = step.rollouts[0]  # no reward known: its first rollout's answer
-        steps.append(step)
-    return steps
+    return [
+        StepOfPrompt(sorted(by_step[key], key=rollout_order), key)
+        for key in sorted(by_step, key=lambda k: (k[0], -1 if k[1] is None else k[1]))
+    ]
 
 
 def read_answers(
@@ -98,10 +77,10 @@ def read_answers(
 ) -> None:
     """Each step's best and worst answer: the last call's response, from the stored record."""
     for step in steps:
-        if step.best is not None:
-            step.best_answer = _answer(step.best, read, piece)
-        if step.worst is not None:
-            step.worst_answer = _answer(step.worst, read, piece)
+        step.best_answer = _answer(step.answered, read, piece)
+        worst = step.worst
+        if worst is not None:
+            step.worst_answer = _answer(worst, read, piece)
 
 
 def _answer(entry: Entry, read: Callable[[Entry], dict[str, Any]], piece: Piece | None) -> Answer:

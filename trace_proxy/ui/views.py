@@ -319,22 +319,10 @@ PROMPT_START = 160  # characters of a group's prompt on the step page; the rest 
 
 
 @dataclass
-class Group:
-    name: str
+class Rollouts:
+    """Rollouts and their rewards: a GRPO group, or one prompt's rollouts at one step."""
+
     rollouts: list[Entry]
-    shown: list[Entry] = field(default_factory=list)  # after filters, in the chosen order
-    prompt: str | None = None  # what the sample asks (`sample_prompt`), when read
-    prompt_steps: int = 0  # steps where its prompt was kept (see history.py)
-
-    @property
-    def prompt_start(self) -> str:
-        """The prompt's first characters on one line (whitespace runs made one space)."""
-        return " ".join((self.prompt or "")[: PROMPT_START * 2].split())[:PROMPT_START]
-
-    @property
-    def prompt_cut(self) -> bool:
-        """Does `prompt_start` leave some of the prompt's text out?"""
-        return len(self.prompt_start) < len(" ".join((self.prompt or "").split()))
 
     @property
     def rewards(self) -> list[float]:
@@ -352,19 +340,37 @@ class Group:
 
     @property
     def best(self) -> Entry | None:
-        """The first rollout with the highest reward, when the group's rewards differ."""
+        """The first rollout with the highest reward, when the rewards differ."""
         rewarded = self._rewarded()
         return max(rewarded, key=lambda e: e.reward or 0.0) if rewarded else None
 
     @property
     def worst(self) -> Entry | None:
-        """The first rollout with the lowest reward, when the group's rewards differ."""
+        """The first rollout with the lowest reward, when the rewards differ."""
         rewarded = self._rewarded()
         return min(rewarded, key=lambda e: e.reward or 0.0) if rewarded else None
 
     def _rewarded(self) -> list[Entry]:
         rewarded = [e for e in self.rollouts if e.reward is not None and math.isfinite(e.reward)]
         return rewarded if len({e.reward for e in rewarded}) > 1 else []
+
+
+@dataclass
+class Group(Rollouts):
+    name: str = ""
+    shown: list[Entry] = field(default_factory=list)  # after filters, in the chosen order
+    prompt: str | None = None  # what the sample asks (`sample_prompt`), when read
+    prompt_steps: int = 0  # steps where its prompt was kept (see history.py)
+
+    @property
+    def prompt_start(self) -> str:
+        """The prompt's first characters on one line (whitespace runs made one space)."""
+        return " ".join((self.prompt or "")[: PROMPT_START * 2].split())[:PROMPT_START]
+
+    @property
+    def prompt_cut(self) -> bool:
+        """Does `prompt_start` leave some of the prompt's text out?"""
+        return len(self.prompt_start) < len(" ".join((self.prompt or "").split()))
 
 
 def sample_prompt(record: dict[str, Any]) -> str | None:
@@ -409,7 +415,7 @@ def groups_of(entries: Sequence[Entry]) -> list[Group]:
     grouped: dict[str, list[Entry]] = {}
     for entry in entries:
         grouped.setdefault(entry.group, []).append(entry)
-    groups = [Group(name, sorted(members, key=rollout_order)) for name, members in grouped.items()]
+    groups = [Group(sorted(members, key=rollout_order), name) for name, members in grouped.items()]
     return sorted(groups, key=group_order)
 
 
