@@ -358,6 +358,8 @@ async def test_an_interrupted_replay_stops_its_proxy_and_keeps_what_was_answered
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "trace_proxy", "replay", str(store), "--upstream", url,
             "--step", "1", stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            # Ctrl-C as a terminal delivers it, whatever this test process ignores.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )  # fmt: skip
         await asyncio.wait_for(second_call.wait(), 60)
         process.send_signal(signal.SIGINT)
