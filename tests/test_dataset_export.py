@@ -99,7 +99,7 @@ def test_sft_rows_are_the_conversations_with_tool_calls_results_and_late_rewards
 
 
 def test_sft_rows_of_token_in_trajectories_come_from_decoded_text_and_tool_spans(
-    store: tuple[Path, Sent], tmp_path: Path
+    store: tuple[Path, Sent], tmp_path: Path, qwen_tokenizer: Any
 ) -> None:
     output, sent = store
     rows = {key_of(r): r for r in export(output, tmp_path / "sft", "sft", steps=StepRange(2, 2))}
@@ -119,7 +119,8 @@ def test_sft_rows_of_token_in_trajectories_come_from_decoded_text_and_tool_spans
             "get_weather", "calculator"
         }  # fmt: skip
         assert "<tool_call>" not in (messages[-1]["content"] or "")
-        assert messages[-1]["content"].startswith("Based on the tool results")
+        answer = qwen_tokenizer.decode(turns[-1][1], skip_special_tokens=True)
+        assert messages[-1]["content"].strip() == answer.strip()  # the last answer, as said
         assert "<tools>" in messages[0]["content"]  # the system turn as the template wrote it
         assert row["text"].startswith("<|im_start|>system")
 
