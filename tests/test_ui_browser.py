@@ -388,3 +388,65 @@ def test_a_user_searches_every_step_of_a_run_and_opens_a_result(
     links[0].click()
     wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
     assert driver.current_url.rsplit("/", 1)[-1] in rewarded
+
+
+def test_a_replay_is_compared_with_what_was_recorded(
+    browser: object, demo_store: Path, shots: Path, qwen_tokenizer: Any,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    """`trace-proxy replay` sends a recorded trajectory to a server again; in the viewer the
+    new run's trajectory opens a comparison with the recorded one, side by side."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    from trace_proxy.demo.simulated_vllm import SimulatedVLLM
+
+    assert isinstance(browser, WebDriver)
+    driver = browser
+    wait = WebDriverWait(driver, WAIT)
+    store = tmp_path / "traces"
+    shutil.copytree(demo_store, store)
+    recorded = next(
+        r for _, r in iter_records(store)
+        if r.get("record") == "trajectory" and r["key"]["step"] == 1 and len(r["calls"]) > 1
+    )  # fmt: skip
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = SimulatedVLLM(qwen_tokenizer, model="qwen-sim")
+    runner, upstream = asyncio.run_coroutine_threadsafe(server.start(), loop).result(60)
+    try:
+        replay = subprocess.run(
+            [sys.executable, "-m", "trace_proxy", "replay", str(store), "--upstream", upstream,
+             "--trajectory", recorded["id"]],
+            capture_output=True, text=True, timeout=180,
+        )  # fmt: skip
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+    assert replay.returncode == 0, replay.stderr
+    with served(store) as url:
+        driver.get(url)
+        runs = driver.find_elements(By.CSS_SELECTOR, "a.run-link")
+        [new_run] = [r for r in runs if "replay" in r.text]
+        new_run.click()
+        wait.until(ec.presence_of_element_located((By.ID, "train-steps"))).find_element(
+            By.CSS_SELECTOR, "tbody tr a"
+        ).click()
+        wait.until(ec.presence_of_element_located((By.CSS_SELECTOR, "a.traj-link"))).click()
+        wait.until(ec.presence_of_element_located((By.ID, "compare-recorded"))).click()
+
+        wait.until(ec.presence_of_element_located((By.ID, "compare")))
+        heads = driver.find_elements(By.CSS_SELECTOR, "#compare thead a.traj-link")
+        assert len(heads) == 2
+        assert str(heads[0].get_attribute("href")).endswith(f"/t/{recorded['id']}")
+        assert driver.find_element(By.CSS_SELECTOR, "#compare thead .tag.recorded").is_displayed()
+        rows = driver.find_elements(By.CSS_SELECTOR, "#compare tbody > tr")
+        assert len(rows) == len(recorded["calls"])  # the same calls, turn by turn
+        # The same simulated model answers alike; the recorded side was decoded to text and
+        # the replayed one was not, so they are compared as sent, not as shown.
+        assert driver.find_element(By.ID, "divergence").text == "These rollouts do not differ."
+        assert driver.save_screenshot(str(shots / "12-replay-compare.png"))

@@ -14,6 +14,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from ui_records import annotation, append, call, run_dir, step_file, trajectory
 
 from trace_proxy.store.names import store_name
+from trace_proxy.ui import views
 from trace_proxy.ui.index import StoreIndex
 from trace_proxy.ui.server import Viewer, is_loopback
 
@@ -348,3 +349,25 @@ async def test_a_replayed_trajectory_is_compared_with_the_recorded(tmp_path: Pat
             f"/run/0/proj/exp-replay/compare?id={replayed['id']}&id={stray['id']}&recorded=1"
         )
         assert two.status == 400
+
+
+def test_a_decoded_and_an_undecoded_rollout_are_compared_as_sent() -> None:
+    """token2text decoded one side only (a replay without a tokenizer): its decoded text is not
+    set against the other's API text; what each was sent and answered is."""
+    decoded = call(0, "<tool_call>x</tool_call>", prompt_text="<|im_start|>user\nHi")
+    plain = call(0, "")
+    plain["prompt"]["token_ids"] = None
+    for one in (decoded, plain):
+        one["prompt"]["messages"] = [{"role": "user", "content": "Hi"}]
+        one["outputs"][0]["text"] = None
+        one["outputs"][0]["tool_calls"] = [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ]
+    del plain["outputs"][0]["response_text"]
+    same = [views.trajectory_view(trajectory(calls=[c])) for c in (decoded, plain)]
+    assert views.first_divergence(same) is None
+    plain["outputs"][0]["tool_calls"][0]["function"]["name"] = "g"
+    differ = [views.trajectory_view(trajectory(calls=[c])) for c in (decoded, plain)]
+    divergence = views.first_divergence(differ)
+    assert divergence is not None
+    assert (divergence.turn, divergence.where, divergence.basis) == (0, "response", "api")

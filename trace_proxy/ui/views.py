@@ -125,6 +125,7 @@ class Turn:
     error: dict[str, Any] | None
     unparsed: str | None
     drift: list[Drift] = field(default_factory=list)
+    messages: list[Any] = field(default_factory=list)  # the whole chat prompt, sharing undone
 
     @property
     def spanned_ids(self) -> set[str]:
@@ -243,6 +244,7 @@ def _turn(
         error=call.get("error") if isinstance(call.get("error"), dict) else None,
         unparsed=_str(call.get("unparsed")),
         drift=drifts_of(call),
+        messages=as_list(full_prompt.get("messages")),
     )
 
 
@@ -272,6 +274,11 @@ class Divergence:
     where: str  # prompt | response | length (one rollout has no such turn)
     chars: int
     tokens: int | None
+    # What was compared: `text` (the turns' shown text, where `chars` points), or, when only
+    # some sides were decoded by token2text (a replay without a tokenizer, say), what each
+    # was sent and answered: `messages` (the added chat messages), `api` (the server's text
+    # and tool calls). Then `chars` is not a place in the shown text.
+    basis: str = "text"
 
 
 def turn_ids(turn: Turn, part: str) -> list[Any] | None:
@@ -292,9 +299,7 @@ def first_divergence(rollouts: Sequence[Trajectory]) -> Divergence | None:
             return Divergence(position, "length", 0, None)
         turns = [r.turns[position] for r in rollouts]
         for part in ("prompt", "response"):
-            texts = [(t.added_text or "") if part == "prompt" else t.response for t in turns]
-            if part == "prompt" and all(t.added_text is None for t in turns):
-                texts = [repr(t.added_messages) for t in turns]
+            texts, basis = _compared(turns, part)
             ids = [turn_ids(t, part) for t in turns]
             same_ids = all(i is not None for i in ids) and all(i == ids[0] for i in ids)
             if all(t == texts[0] for t in texts) and (same_ids or None in ids):
@@ -303,8 +308,42 @@ def first_divergence(rollouts: Sequence[Trajectory]) -> Divergence | None:
             tokens = None
             if all(i is not None for i in ids):
                 tokens = min(common_prefix(ids[0] or [], i or []) for i in ids[1:])
-            return Divergence(position, part, chars, tokens)
+            return Divergence(position, part, chars, tokens, basis)
     return None
+
+
+def _compared(turns: Sequence[Turn], part: str) -> tuple[list[str], str]:
+    """What of each turn's `part` is compared, and on which basis (see `Divergence.basis`):
+    decoded text against decoded text only."""
+    if part == "prompt":
+        if all(t.added_text is not None for t in turns):
+            return [t.added_text or "" for t in turns], "text"
+        if all(t.added_text is None for t in turns):
+            return [repr(t.added_messages) for t in turns], "text"
+        # Each side's whole chat prompt: how much of it is stored as shared with an earlier
+        # call depends on what that call answered, so the stored suffixes may differ.
+        return [repr(t.messages) for t in turns], "messages"
+    decoded = [_first_output(t).get("response_text") is not None for t in turns]
+    if all(decoded) or not any(decoded):
+        return [t.response for t in turns], "text"
+    return [_api_response(t) for t in turns], "api"
+
+
+def _first_output(turn: Turn) -> dict[str, Any]:
+    outputs = turn.call.get("outputs")
+    first = outputs[0] if isinstance(outputs, list) and outputs else None
+    return first if isinstance(first, dict) else {}
+
+
+def _api_response(turn: Turn) -> str:
+    """A turn's first output as the server sent it: its text, else its tool calls."""
+    first = _first_output(turn)
+    if first.get("text"):
+        return str(first["text"])
+    return " ".join(
+        f"{(c.get('function') or {}).get('name')}({(c.get('function') or {}).get('arguments')})"
+        for c in as_list(first.get("tool_calls")) if isinstance(c, dict)
+    )  # fmt: skip
 
 
 def split_at(text: str | None, chars: int) -> tuple[str, str]:
