@@ -203,7 +203,7 @@ async def test_the_viewer_lists_the_drifting_calls_and_marks_them(
         assert found is not None
         run_url = html.unescape(found.group(1))
         run_page = await (await client.get(run_url + "/")).text()
-        assert "1 trajectories with drifting calls" in run_page
+        assert "1 trajectory with drifting calls" in run_page
         assert f'href="{run_url}/drift"' in run_page
         step_page = await (await client.get(run_url + "/step/none")).text()
         assert f'<span class="bad drift-badge">{TURNS} drifting</span>' in step_page

@@ -317,7 +317,7 @@ def test_drifting_calls_are_listed_and_marked(
         driver.get(url)
         driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
         notice = wait.until(ec.visibility_of_element_located((By.ID, "run-drift")))
-        assert notice.text.startswith("1 trajectories with drifting calls")
+        assert notice.text.startswith("1 trajectory with drifting calls")
         notice.find_element(By.TAG_NAME, "a").click()
 
         wait.until(ec.presence_of_element_located((By.ID, "drift-list")))

@@ -110,7 +110,8 @@ async def test_text_is_found_in_prompts_responses_tools_and_errors(
     ]:
         links, page = await found(client, q=query)
         assert sorted(links) == ids(records, *expected), query
-        assert f"{len(expected)} trajectories found" in page
+        noun = "trajectory" if len(expected) == 1 else "trajectories"
+        assert f"{len(expected)} {noun} found" in page
         if column:
             assert f'<span class="muted">{column}:</span>' in page, query
             word = query.strip('"*').split()[0].lower()
@@ -148,7 +149,7 @@ async def test_filters_find_rewards_status_marks_steps_and_tools(
     links, page = await found(client, late="1")
     assert '<span class="tag" title="closed after its step ended">late</span>' in page
     _, page = await found(client)  # the empty form lists nothing
-    assert "trajectories found" not in page
+    assert 'id="search-count"' not in page
 
 
 async def test_a_late_reward_changes_what_a_reward_search_finds(
@@ -300,4 +301,4 @@ async def test_a_trajectory_two_replicas_wrote_is_found_once_by_either_part(
         for query in ("wombat", "numbat", "digs"):
             links, page = await found(client, q=query)
             assert links == [shown], query
-            assert "1 trajectories found" in page
+            assert "1 trajectory found" in page
