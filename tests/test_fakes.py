@@ -401,6 +401,22 @@ async def test_request_id_from_header_and_body(fake_vllm: tuple[FakeVLLM, str]) 
                 "code": 400,
             },
         ),
+        # `sampling_params: SamplingParams` (a msgspec model): pydantic tries it as an
+        # instance and as a dict, and vLLM's handler reports both, the input summarised.
+        (
+            "/inference/v1/generate",
+            {"token_ids": PROMPT, "sampling_params": None},
+            {
+                "message": "2 validation errors:\n  {'type': 'is_instance_of', "
+                "'loc': 'body.sampling_params', 'msg': 'Input should be an instance of "
+                "SamplingParams', 'input': 'None', 'ctx': {'class': 'SamplingParams'}}\n  "
+                "{'type': 'dict_type', 'loc': 'body.sampling_params', 'msg': 'Input should be "
+                "a valid dictionary', 'input': 'None'}",
+                "type": "Bad Request",
+                "param": "body.sampling_params",
+                "code": 400,
+            },
+        ),
     ],
 )
 async def test_vllm_validation_errors(
@@ -408,6 +424,31 @@ async def test_vllm_validation_errors(
 ) -> None:
     _, url = fake_vllm
     assert await post_json(url + path, request_body, status=400) == {"error": error}
+
+
+async def test_vllm_finish_weight_update_takes_no_body_or_json(
+    qwen_tokenizer: Any, start_fake: StartFake
+) -> None:
+    """`weight_version` is an optional embedded body field: no body is fine, a body that is not
+    JSON is FastAPI's 400 (`json_invalid`), the version is taken from a JSON one."""
+    url = await start_fake(FakeVLLM(qwen_tokenizer, model="m"))
+    json_type = {"Content-Type": "application/json"}
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + "/finish_weight_update") as response:
+            assert response.status == 200
+        async with session.post(
+            url + "/finish_weight_update", data=b"not json", headers=json_type
+        ) as response:
+            assert response.status == 400
+            error = (await response.json())["error"]
+        async with session.post(
+            url + "/finish_weight_update", json={"weight_version": "v7"}
+        ) as response:
+            assert response.status == 200
+        async with session.get(url + "/weight_info") as response:
+            assert (await response.json())["weight_version"] == "v7"
+    assert error["type"] == "Bad Request" and error["param"] == "body.0"
+    assert "'type': 'json_invalid'" in error["message"]
 
 
 async def test_vllm_rejects_non_json_content_type(fake_vllm: tuple[FakeVLLM, str]) -> None:

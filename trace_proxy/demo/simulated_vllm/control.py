@@ -71,8 +71,12 @@ class ControlRoutes(VLLMBase):
         return handler
 
     async def _finish_weight_update(self, request: web.Request) -> web.Response:
-        raw = await request.read()
-        body = orjson.loads(raw) if raw else {}
+        body: Any = {}
+        if await request.read():  # no body at all: weight_version is optional
+            try:  # a body that is not JSON is a 400, as FastAPI rejects it
+                _, body = await read_body(request)
+            except VLLMError as exc:
+                return exc.response()
         version = body.get("weight_version") if isinstance(body, dict) else None
         if version is not None:
             self.engine.weight_version = str(version)

@@ -61,6 +61,31 @@ def missing_fields_error(body: JSON, fields: Sequence[str]) -> VLLMError:
     return VLLMError(message.rstrip(), "Bad Request", 400, f"body.{fields[0]}")
 
 
+def not_an_object_error(name: str, value: Any, model: str) -> VLLMError:
+    """FastAPI's RequestValidationError for a body field typed as a msgspec model (generate's
+    `sampling_params: SamplingParams`) given something other than an object: pydantic's two
+    branches, each rendered by vLLM's `_format_error` (the input summarised, the loc cleaned)."""
+    shown = _summarised(value)
+    entries = [
+        {"type": "is_instance_of", "loc": f"body.{name}",
+         "msg": f"Input should be an instance of {model}", "input": shown,
+         "ctx": {"class": model}},
+        {"type": "dict_type", "loc": f"body.{name}", "msg": "Input should be a valid dictionary",
+         "input": shown},
+    ]  # fmt: skip
+    message = "2 validation errors:\n" + "\n".join(f"  {e}" for e in entries)
+    return VLLMError(message, "Bad Request", 400, f"body.{name}")
+
+
+def _summarised(value: Any) -> str:
+    """vLLM's `_summarize_error_input`: containers described, other values as `str` shows them
+    (a JSON null is Python's None), cut at 200 characters."""
+    if isinstance(value, (list, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    text = str(value)
+    return text if len(text) <= 200 else text[:200] + "...[truncated]"
+
+
 def paused_error() -> VLLMError:
     return VLLMError(PAUSED_MESSAGE, "ServiceUnavailableError", 503)
 

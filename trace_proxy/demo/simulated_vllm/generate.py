@@ -12,7 +12,7 @@ from aiohttp import web
 
 from .base import Ctx, Seq, VLLMBase
 from .engine import Flight, Paused
-from .errors import VLLMError, generation_error, paused_error, spaced_error
+from .errors import VLLMError, generation_error, not_an_object_error, paused_error, spaced_error
 from .logprobs import chat_logprobs, generate_logprobs
 from .parsing import check_stream_options, read_body, usage_flags
 from .wire import JSON, dumps, json_response
@@ -25,7 +25,11 @@ class GenerateRoutes(VLLMBase):
         try:
             raw, body = await read_body(request, ("token_ids", "sampling_params"))
             prompt_ids = tuple(body["token_ids"])
-            sp = body["sampling_params"] or {}
+            if not isinstance(body["sampling_params"], dict):
+                raise not_an_object_error(
+                    "sampling_params", body["sampling_params"], "SamplingParams"
+                )
+            sp = body["sampling_params"]
             check_stream_options(body)
             mode = body.get("output_mode", "tokens")
             if mode not in ("tokens", "text"):
