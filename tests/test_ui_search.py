@@ -123,6 +123,19 @@ async def test_text_is_found_in_prompts_responses_tools_and_errors(
     assert "&lt;script&gt;alert(&#34;x&#34;)&lt;/script&gt;" in page
 
 
+async def test_a_step_page_searches_every_step_with_its_words(
+    served: tuple[TestClient, Path, dict[str, Any]],
+) -> None:
+    """The step page's text filter reads that step's records; its link takes the same words to
+    the whole run's search."""
+    client, _, records = served
+    page = await (await client.get(f"{BASE}/step/1?q=QUOKKA")).text()
+    [link] = re.findall(r'id="search-run" href="([^"]+)"', page)
+    assert link == f"{BASE}/search?q=QUOKKA"
+    links, _ = await found(client, q="QUOKKA")
+    assert sorted(links) == ids(records, "chat", "validation")  # beyond step 1
+
+
 async def test_filters_find_rewards_status_marks_steps_and_tools(
     served: tuple[TestClient, Path, dict[str, Any]],
 ) -> None:
