@@ -174,6 +174,36 @@ def test_rl_ids_a_call_lacks_come_from_the_tokenizer_as_the_server_made_them(
     assert all(r["loss_mask"] == [1] * len(r["response_ids"]) for r in filled)
 
 
+def test_a_store_recorded_without_a_tokenizer_exports_as_one_with_it(
+    store: tuple[Path, Sent], tmp_path: Path, qwen_tokenizer: Any
+) -> None:
+    """The same store with every decoded text taken out (as a proxy without token2text writes
+    it): token-in trajectories have no messages, unless `--tokenizer` decodes them; then each
+    SFT row is the one token2text's text gave."""
+    output, sent = store
+    bare = tmp_path / "bare"
+    shutil.copytree(output, bare)
+    for path in bare.rglob("*.jsonl"):
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        for record in records:
+            if record.get("record") != "trajectory":
+                continue
+            record["transcript"] = None
+            for made in record["calls"]:
+                made["prompt_text"] = None
+                for output_ in made["outputs"]:
+                    output_.pop("response_text", None)
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    steps = StepRange(2, 2)
+    decoded = {key_of(r): r for r in export(output, tmp_path / "a", "sft", steps=steps)}
+    plain = {key_of(r): r for r in export(bare, tmp_path / "b", "sft", steps=steps)}
+    filled = {key_of(r): r for r in export(bare, tmp_path / "c", "sft", steps=steps,
+                                           tokenizer=qwen_tokenizer)}  # fmt: skip
+    token_in = set(sent.turns) & set(decoded)
+    assert token_in and all(plain[k]["messages"] is None for k in token_in)
+    assert filled == decoded
+
+
 def test_filters_choose_steps_validation_rewards_and_runs(
     store: tuple[Path, Sent], tmp_path: Path
 ) -> None:

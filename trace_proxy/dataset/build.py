@@ -17,12 +17,16 @@ from tqdm import tqdm
 from trace_proxy.dataset.columns import RL_SCHEMA, SFT_SCHEMA
 from trace_proxy.dataset.reading import Selection, Tally, step_files, step_trajectories
 from trace_proxy.dataset.rl import IdsFromTokenizer, rl_rows
-from trace_proxy.dataset.sft import sft_row
+from trace_proxy.dataset.sft import decode_missing, sft_row
 from trace_proxy.dataset.writer import ParquetParts, prepare_directory
+from trace_proxy.trajectories.token2text import decoder_for
 from trace_proxy.trajectories.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
 
 FORMS = ("sft", "rl")
-NO_MESSAGES = "trajectories without text for messages (null; recorded without a tokenizer)"
+NO_MESSAGES = (
+    "trajectories without text for messages (null; recorded without a tokenizer: --tokenizer "
+    "decodes them)"
+)
 
 
 @dataclass
@@ -51,10 +55,13 @@ def write_dataset(
     prepare_directory(out, force)
     parser = tool_parser or get_parser(DEFAULT_PARSER)
     fill = IdsFromTokenizer(tokenizer) if tokenizer is not None else None
+    decode = decoder_for(tokenizer, skip_special_tokens=False) if tokenizer is not None else None
     rows_of: Callable[[dict[str, Any]], list[dict[str, Any]]]
     if form == "sft":
 
         def rows_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+            if decode is not None:
+                decode_missing(record, decode)
             row = sft_row(record, parser)
             if row["messages"] is None:
                 tally.notes[NO_MESSAGES] += 1

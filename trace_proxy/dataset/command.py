@@ -72,8 +72,9 @@ def add_export_command(commands: Any) -> None:
     export.add_argument(
         "--tokenizer",
         metavar="PATH",
-        help="rl: a local tokenizer directory to fill token ids a call was recorded without "
-        "(chat without return_token_ids); needs trace-proxy[text]",
+        help="a local tokenizer directory: rl, to fill token ids a call was recorded without "
+        "(chat without return_token_ids); sft, to decode token-in trajectories recorded "
+        "without token2text; needs trace-proxy[text]",
     )
     export.add_argument(
         "--tool-parser",

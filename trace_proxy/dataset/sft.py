@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeGuard
 
 from trace_proxy.dataset.columns import key_columns, text_or_none
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
@@ -44,6 +45,38 @@ def sft_row(record: dict[str, Any], parser: ToolCallParser) -> dict[str, Any]:
         "tools": json.dumps(tools, ensure_ascii=False) if tools else None,
         "text": transcript_of(record),
     }
+
+
+def decode_missing(record: dict[str, Any], decode: Callable[[list[int]], str]) -> None:
+    """Give `record` the text token2text would have stored, where it has none: each call's
+    stored prompt ids and each answer's ids decoded (special tokens kept, as token2text keeps
+    them), so a store recorded without a tokenizer exports as one recorded with it."""
+    for call in record.get("calls") or []:
+        if not isinstance(call, dict):
+            continue
+        ids = (call.get("prompt") or {}).get("token_ids")
+        if call.get("prompt_text") is None and _is_ids(ids):
+            call["prompt_text"] = _decoded(decode, ids)
+        for output in call.get("outputs") or []:
+            if not isinstance(output, dict) or output.get("response_text") is not None:
+                continue
+            if _is_ids(output.get("token_ids")):
+                output["response_text"] = _decoded(decode, output["token_ids"])
+
+
+def _is_ids(value: Any) -> TypeGuard[list[int]]:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+    )
+
+
+def _decoded(decode: Callable[[list[int]], str], ids: list[int]) -> str | None:
+    try:
+        return decode(ids)
+    except Exception:  # an id the tokenizer does not know: left without text
+        return None
 
 
 def chat_conversation(prompt_messages: list[Any], call: dict[str, Any]) -> list[Message]:
