@@ -35,8 +35,9 @@ def post_reward(
     timeout: float = 10.0,
 ) -> str:
     """Attach to one trajectory, named by `trajectory_id` or by key; returns where it was
-    (`open`, `waiting`, `exported`, or `unknown` when this proxy never saw it). `done=True`
-    closes it now (with or without values)."""
+    (`open`, `waiting`, `exported`, or `unknown` when this proxy never saw it), or `queued`
+    while the calls forwarded before it are still being parsed (it is placed once they are).
+    `done=True` closes it now (with or without values)."""
     fields = {
         "reward": reward, "score": score, "labels": labels, "trajectory_id": trajectory_id,
         "project": project, "experiment": experiment, "step": step,
