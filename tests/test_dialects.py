@@ -387,6 +387,8 @@ async def test_path_prefix_and_baggage_through_the_proxy(
         ([1.0], False),
         ([1, "2"], False),
         ([1, None], False),
+        ([True, 2], False),
+        ([False], False),
         ([[1, 2]], False),
         ([{"id": 1}], False),
         ("1 2", False),

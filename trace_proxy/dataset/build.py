@@ -22,7 +22,6 @@ from trace_proxy.dataset.writer import ParquetParts, prepare_directory
 from trace_proxy.trajectories.token2text import decoder_for
 from trace_proxy.trajectories.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
 
-FORMS = ("sft", "rl")
 NO_MESSAGES = (
     "trajectories without text for messages (null; recorded without a tokenizer: --tokenizer "
     "decodes them)"

@@ -384,10 +384,6 @@ def normalize_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
     return normal or None
 
 
-def outputs_by_index(outputs: dict[int, Output]) -> list[Output]:
-    return [outputs[i] for i in sorted(outputs)]
-
-
 def weight_version_of(choice: Mapping[str, Any]) -> str | None:
     """The policy version that produced the last tokens of a choice.
 
@@ -406,15 +402,18 @@ def weight_version_of(choice: Mapping[str, Any]) -> str | None:
 
 
 def as_int_list(value: Any) -> list[int] | None:
-    """`value` if it is a list of integers (token ids), else None. Checked by summing in C:
-    prompts run to tens of thousands of ids, and a float makes the sum a float, anything else
-    not a number makes it raise. About 3x cheaper than building an `array` of them."""
+    """`value` if it is a list of integers (token ids), else None. Checked in C: prompts run to
+    tens of thousands of ids. Summing rejects a float (the sum is a float) and anything not a
+    number (it raises); JSON's `true` and `false` sum as integers, so a second pass looks for
+    them by type (about 35 us for 30,000 ids)."""
     if not isinstance(value, list):
         return None
     try:
-        return value if type(sum(value)) is int else None
+        if type(sum(value)) is not int:
+            return None
     except TypeError:
         return None
+    return None if bool in map(type, value) else value
 
 
 def as_prompt_ids(value: Any) -> TokenIds | None:
