@@ -6,6 +6,11 @@ a later step of the same experiment starts, after `idle_timeout` without a call,
 open-trajectory bound is reached (oldest first), or at shutdown. A call that arrives for an
 already-closed trajectory opens a new part of it (`part` = 2, 3, ...), so nothing is lost.
 Calls with no key at all are single-call trajectories.
+
+A capture process started in place of one that died (`follow_restart`) cannot know what that
+one held: each keyed trajectory it opens without having seen it before carries a restart mark
+(`restart_mark`), so readers join it with this proxy's earlier record of the same trajectory,
+if the dead process had written one.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from trace_proxy.trajectories.record import (
     StepEvent,
     ToolCall,
     new_record_id,
+    restart_mark,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
 
@@ -94,6 +100,12 @@ class Assembler:
         self._latest_step: dict[tuple[str, str, bool], int] = {}
         self._first_prompts: OrderedDict[Hashable, tuple[bytes, int]] = OrderedDict()
         self._first_prompts_bytes = 0
+        self._restart_since: float | None = None  # see `follow_restart`
+
+    def follow_restart(self, since: float) -> None:
+        """This process replaces a capture process of the same proxy (started at `since`, wall
+        clock) that died with its open trajectories."""
+        self._restart_since = since
 
     @property
     def open_count(self) -> int:
@@ -296,6 +308,8 @@ class Assembler:
         if trajectory is None:
             part = self._parts.pop(identity, 0) + 1
             trajectory = OpenTrajectory(new_record_id(), key, part, now)
+            if part == 1 and self._restart_since is not None:
+                trajectory.annotations.append(restart_mark(self._restart_since))
             self._open[identity] = trajectory
             if len(self._open) > self._max_open:
                 _, oldest = self._open.popitem(last=False)

@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +39,7 @@ from trace_proxy.store.readers import (
     runs,
 )
 from trace_proxy.store.replicas import merged_summary, store_roots
+from trace_proxy.store.restarts import continues, identity, restart_since
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index
@@ -79,6 +80,7 @@ class Entry:
     annotated: bool = False  # reward, score or labels came from a later annotation
     trajectory_id: str | None = None  # the key's, when the client gave one
     prompt_hash: str | None = None  # `prompt_hash` of its first call: the same sample at any step
+    restart_since: float | None = None  # marked by a restarted capture process (restarts.py)
     # Records of the same trajectory that other replicas wrote (its calls reached several
     # proxies): shown as one with this entry (`replicas.joined`), counted once.
     others: tuple[Entry, ...] = ()
@@ -182,6 +184,9 @@ class Run:
     by_id: dict[str, Entry] = field(default_factory=dict)
     # (validate, step, trajectory id, part) -> its first entry and the directories that wrote it
     by_trajectory: dict[tuple[Any, ...], tuple[Entry, set[Path]]] = field(default_factory=dict)
+    # (directory, trajectory) -> the entry shown for its latest record there, and that record's
+    # close reason: what a record a restarted capture process marked may continue
+    latest: dict[tuple[Path, Hashable], tuple[Entry, str]] = field(default_factory=dict)
     by_prompt: dict[str, list[Entry]] = field(default_factory=dict)  # entries, by prompt_hash
     pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # notes, by target
     # `trace-proxy replay`'s trajectories of this run, by what each replays: (record id,
@@ -194,6 +199,7 @@ class Run:
     completion_tokens: int = 0
     errors: int = 0
     drift: int = 0  # trajectories with drifting calls
+    joined: int = 0  # records shown as part of another's entry (listed in `by_id` all the same)
 
     @property
     def ref(self) -> tuple[int, str, str]:
@@ -201,14 +207,14 @@ class Run:
 
     @property
     def trajectories(self) -> int:
-        return len(self.by_id)
+        return len(self.by_id) - self.joined
 
     def clear(self) -> None:
         """Forget everything read (its files are read again from their start)."""
         self.files, self.steps, self.by_id, self.pending, self.events = {}, {}, {}, {}, []
         self.by_trajectory, self.by_prompt, self.replays = {}, {}, {}
         self.unreadable = self.calls = self.prompt_tokens = self.completion_tokens = 0
-        self.errors = self.drift = 0
+        self.errors = self.drift = self.joined = 0
 
     def time_span(self) -> tuple[float, float] | None:
         starts = [s.stats.start for s in self.steps.values() if s.stats.trajectories]
@@ -449,6 +455,7 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         drift=_int(summary.get("drift_calls")) or sum(1 for c in calls if c.get("drift")),
         trajectory_id=_str_or_none(key.get("trajectory_id")),
         prompt_hash=prompt_hash(calls[0]) if calls else None,
+        restart_since=restart_since(record),
     )
 
 
@@ -483,6 +490,19 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
     if entry.id in run.by_id:
         return  # the same record written twice: count it once
     step = run.steps.setdefault((entry.validate, entry.step), Step())
+    ident = identity(entry.trajectory_id, entry.validate, entry.step, entry.sample_index,
+                     entry.rollout_n)  # fmt: skip
+    if ident is not None:
+        earlier = run.latest.get((directory, ident))
+        if (
+            entry.restart_since is not None
+            and earlier is not None
+            and continues(entry.restart_since, earlier[0].start, earlier[1])
+        ):
+            _join(run, step, earlier[0], entry)  # the rest of a trajectory split by a restart
+            run.latest[(directory, ident)] = (earlier[0], entry.close_reason)
+            return
+        run.latest[(directory, ident)] = (entry, entry.close_reason)
     if entry.trajectory_id is not None:
         name = (entry.validate, entry.step, entry.trajectory_id, entry.part)
         first, directories = run.by_trajectory.setdefault(name, (entry, set()))
@@ -512,8 +532,10 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
 
 
 def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
-    """`other` is a part of `first`'s trajectory from another replica: one entry, counted once."""
+    """`other` is a part of `first`'s trajectory from another replica, or written after a
+    restart of the capture process: one entry, counted once."""
     run.by_id[other.id] = first
+    run.joined += 1
     step.stats.add(first, -1)
     first.others = (*first.others, other)
     run.drift -= first.drift > 0
@@ -521,6 +543,8 @@ def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
                  "completion_tokens", "calls_dropped", "drift"):  # fmt: skip
         setattr(first, name, getattr(first, name) + getattr(other, name))
     run.drift += first.drift > 0
+    if other.end >= first.end:
+        first.close_reason = other.close_reason
     first.start, first.end = min(first.start, other.start), max(first.end, other.end)
     if first.status == "ok":
         first.status = other.status
