@@ -214,3 +214,45 @@ def test_only_a_marked_record_of_the_same_proxy_continues_one_the_client_did_not
     other_store = [(here, _record("a", 110.0, "idle")),
                    (Path("other"), _record("b", 120.0, "done", 100.0))]  # fmt: skip
     assert len(one_per_trajectory(other_store)) == 1  # replicas of one id: joined as before
+
+
+def test_a_restarted_capture_process_marks_what_may_have_begun_in_the_dead_one() -> None:
+    """Marked: a keyed trajectory first seen within the idle timeout of the restart. Not
+    marked: before any restart, a later part it closed itself, one first seen after the idle
+    timeout (the dead process would have closed it as idle), a key the traffic inferred."""
+    from test_assembler import Clock, call, hints, make
+
+    from trace_proxy.trajectories.inference import TrafficInference
+    from trace_proxy.trajectories.record import RESTART_SOURCE, Trajectory
+
+    def marked(record: Any) -> bool:
+        return any(note.get("source") == RESTART_SOURCE for note in record.annotations)
+
+    clock = Clock()
+    assembler, out = make(clock, inference=TrafficInference())
+    assembler.add_call(hints(step=1, sample_index=0, rollout_n=0, done=1), call(0.0, [1]))
+    assembler.follow_restart(since=1000.0)
+    assembler.add_call(hints(step=1, sample_index=1, rollout_n=0), call(1.0, [1]))
+    assembler.add_call(hints(trajectory_id="t", done=1), call(1.0, [2]))
+    assembler.close_all("idle")  # sample 1 closed by the proxy: its next call is a part 2
+    assembler.add_call(hints(step=1, sample_index=1, rollout_n=0, done=1), call(2.0, [1]))
+    assembler.add_call(hints(), call(2.0, [7, 7]))  # keyless: its key inferred
+    clock.now = 10.5  # past the idle timeout of 10
+    assembler.add_call(hints(trajectory_id="late", done=1), call(11.0, [3]))
+    assembler.close_all()
+    stored = [t for t in out if isinstance(t, Trajectory)]
+
+    def name(t: Trajectory) -> Any:
+        tid = t.key.trajectory_id
+        return "inferred" if tid and t.key.sources["trajectory_id"].startswith("inferred") else tid
+
+    seen = {(t.key.sample_index, name(t), t.part): marked(t) for t in stored}
+    assert seen == {
+        (0, None, 1): False,  # before the restart
+        (1, None, 1): True,
+        (None, "t", 1): True,
+        (1, None, 2): False,  # a part this process numbered itself
+        (None, "inferred", 1): False,
+        (None, "late", 1): False,  # past the idle timeout
+    }
+    assert [n["value"] for t in stored for n in t.annotations if marked(t)] == [1000.0, 1000.0]

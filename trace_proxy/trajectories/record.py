@@ -295,8 +295,8 @@ def restart_mark(since: float) -> dict[str, Any]:
     (counted as `capture_process_lost`). Readers join the two (`store/restarts.py`)."""
     return {
         "field": "part", "source": RESTART_SOURCE, "value": since,
-        "note": "first seen after the capture process was restarted: earlier calls are in "
-                "this proxy's record of it before this one, or were lost with the process",
+        "note": "begun after a capture process restart: earlier calls are in this proxy's "
+                "previous record of it, or were lost",
     }  # fmt: skip
 
 
