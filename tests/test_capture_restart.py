@@ -256,3 +256,15 @@ def test_a_restarted_capture_process_marks_what_may_have_begun_in_the_dead_one()
         (None, "late", 1): False,  # past the idle timeout
     }
     assert [n["value"] for t in stored for n in t.annotations if marked(t)] == [1000.0, 1000.0]
+
+
+def test_a_record_a_store_holds_twice_is_read_once() -> None:
+    from trace_proxy.store.replicas import one_per_trajectory
+
+    here = Path("store")
+    twice = [(here, _record("a", 110.0, "idle")), (here, _record("b", 120.0, "done", 100.0)),
+             (here, _record("b", 120.0, "done", 100.0))]  # fmt: skip
+    [one] = one_per_trajectory(twice)
+    assert one["parts"] == ["a", "b"]
+    keyed = [(here, {**_record("c", 130.0, "done"), "key": {"step": 1, "sample_index": 3}})]
+    assert len(one_per_trajectory(keyed * 2)) == 1

@@ -68,10 +68,16 @@ def rejoined(
     stored: Iterable[tuple[Path, dict[str, Any]]],
 ) -> list[tuple[Path, list[dict[str, Any]]]]:
     """A run's records in the order read, each with the directory it was read from; a marked
-    record is put with the records of the trajectory it continues (and not listed again)."""
+    record is put with the records of the trajectory it continues (and not listed again); a
+    trajectory record a store holds twice (a line written again) is taken once."""
     found: list[tuple[Path, list[dict[str, Any]]]] = []
     latest: dict[tuple[Path, Hashable], list[dict[str, Any]]] = {}
+    taken: set[tuple[Path, str]] = set()
     for directory, record in stored:
+        if record.get("record") == "trajectory" and isinstance(record.get("id"), str):
+            if (directory, record["id"]) in taken:
+                continue
+            taken.add((directory, record["id"]))
         ident = record_identity(record)
         if ident is None:
             found.append((directory, [record]))

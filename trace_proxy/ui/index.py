@@ -154,6 +154,28 @@ class Step:
     entries: list[Entry] = field(default_factory=list)
     stats: StepStats = field(default_factory=StepStats)
     summaries: dict[Path, dict[str, Any]] = field(default_factory=dict)  # by directory
+    # (file, trajectory) -> its latest entry; made when a record a restarted capture process
+    # marked first comes (what it may continue is in the same step file), kept from then on
+    _latest: dict[tuple[int, Hashable], Entry] | None = None
+
+    def add(self, entry: Entry) -> None:
+        self.entries.append(entry)
+        if self._latest is not None:
+            self._remember(entry)
+
+    def latest_of(self, entry: Entry) -> Entry | None:
+        """The entry of `entry`'s trajectory read last from the same file, if any."""
+        if self._latest is None:
+            self._latest = {}
+            for earlier in self.entries:
+                self._remember(earlier)
+        ident = _identity(entry)
+        return None if ident is None else self._latest.get((entry.file, ident))
+
+    def _remember(self, entry: Entry) -> None:
+        ident = _identity(entry)
+        if ident is not None and self._latest is not None:
+            self._latest[(entry.file, ident)] = entry
 
     @property
     def summary(self) -> dict[str, Any] | None:
@@ -184,9 +206,6 @@ class Run:
     by_id: dict[str, Entry] = field(default_factory=dict)
     # (validate, step, trajectory id, part) -> its first entry and the directories that wrote it
     by_trajectory: dict[tuple[Any, ...], tuple[Entry, set[Path]]] = field(default_factory=dict)
-    # (directory, trajectory) -> the entry shown for its latest record there, and that record's
-    # close reason: what a record a restarted capture process marked may continue
-    latest: dict[tuple[Path, Hashable], tuple[Entry, str]] = field(default_factory=dict)
     by_prompt: dict[str, list[Entry]] = field(default_factory=dict)  # entries, by prompt_hash
     pending: dict[str, list[dict[str, Any]]] = field(default_factory=dict)  # notes, by target
     # `trace-proxy replay`'s trajectories of this run, by what each replays: (record id,
@@ -490,19 +509,13 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
     if entry.id in run.by_id:
         return  # the same record written twice: count it once
     step = run.steps.setdefault((entry.validate, entry.step), Step())
-    ident = identity(entry.trajectory_id, entry.validate, entry.step, entry.sample_index,
-                     entry.rollout_n)  # fmt: skip
-    if ident is not None:
-        earlier = run.latest.get((directory, ident))
-        if (
-            entry.restart_since is not None
-            and earlier is not None
-            and continues(entry.restart_since, earlier[0].start, earlier[1])
+    if entry.restart_since is not None:
+        earlier = step.latest_of(entry)
+        if earlier is not None and continues(
+            entry.restart_since, earlier.start, earlier.close_reason
         ):
-            _join(run, step, earlier[0], entry)  # the rest of a trajectory split by a restart
-            run.latest[(directory, ident)] = (earlier[0], entry.close_reason)
+            _join(run, step, earlier, entry)  # the rest of a trajectory split by a restart
             return
-        run.latest[(directory, ident)] = (entry, entry.close_reason)
     if entry.trajectory_id is not None:
         name = (entry.validate, entry.step, entry.trajectory_id, entry.part)
         first, directories = run.by_trajectory.setdefault(name, (entry, set()))
@@ -512,7 +525,7 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
             return
         directories.add(directory)
     run.by_id[entry.id] = entry
-    step.entries.append(entry)
+    step.add(entry)
     if entry.prompt_hash is not None:
         run.by_prompt.setdefault(entry.prompt_hash, []).append(entry)
     labels = as_dict(record.get("labels"))
@@ -529,6 +542,11 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
     run.completion_tokens += entry.completion_tokens
     run.errors += entry.status != "ok"
     run.drift += entry.drift > 0
+
+
+def _identity(entry: Entry) -> Hashable | None:
+    return identity(entry.trajectory_id, entry.validate, entry.step, entry.sample_index,
+                    entry.rollout_n)  # fmt: skip
 
 
 def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
