@@ -22,7 +22,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
-from proxy_helpers import running_proxy, trajectories
+from proxy_helpers import metric, running_proxy, trajectories
 
 from trace_proxy.processes.capture import CaptureProcess
 from trace_proxy.show import show
@@ -34,6 +34,7 @@ GUARD = 60
 SPLIT = 0  # the sample whose trajectory the kill splits (keyed by step, sample and rollout)
 ENDED = 1  # the sample of a rollout the client ended before the kill, then another after it
 EPISODE = "episode-9"  # a trajectory keyed by its id, split the same way
+OPEN = 2  # a step-2 sample whose trajectory is open at the kill: its first turn is lost
 
 
 class Conversation:
@@ -61,7 +62,8 @@ def keyed(sample: int) -> dict[str, str]:
     return {"X-Rollout-Sample-Index": str(sample), "X-Rollout-N": "0"}
 
 
-async def record_across_a_kill(upstream: str, output: Path) -> None:
+async def record_across_a_kill(upstream: str, output: Path) -> dict[str, float]:
+    """The store written, and what /metrics counts as dropped, by reason."""
     async with (
         running_proxy([upstream], output, step_close_grace=0.0) as (service, proxy),
         aiohttp.ClientSession() as session,
@@ -79,8 +81,10 @@ async def record_across_a_kill(upstream: str, output: Path) -> None:
         await Conversation({"X-Rollout-Step": "2", **keyed(5)}, "next").turn(
             session, proxy, None, done=True
         )
+        open_at_kill = Conversation({"X-Rollout-Step": "2", **keyed(OPEN)}, "open one")
+        await open_at_kill.turn(session, proxy, "open two")
         await service.flush()
-        assert capture.open_count == 0
+        assert capture.open_count == 1
         os.kill(capture.pid, signal.SIGKILL)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + GUARD
@@ -91,14 +95,24 @@ async def record_across_a_kill(upstream: str, output: Path) -> None:
         await split.turn(session, proxy, None, done=True)
         await episode.turn(session, proxy, None, done=True)
         await Conversation(keyed(ENDED), "another rollout").turn(session, proxy, None, done=True)
+        await open_at_kill.turn(session, proxy, None, done=True)
         await asyncio.wait_for(service.flush(), GUARD)
+    reasons = ("capture_process_lost", "capture_process_down")
+    return {r: metric(service.metrics, "trace_proxy_capture_dropped_total", reason=r)
+            for r in reasons}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-async def store(fake_vllm: tuple[Any, str], tmp_path_factory: pytest.TempPathFactory) -> Path:
+async def recorded(
+    fake_vllm: tuple[Any, str], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, float]]:
     output = tmp_path_factory.mktemp("restart") / "traces"
-    await record_across_a_kill(fake_vllm[1], output)
-    return output
+    return output, await record_across_a_kill(fake_vllm[1], output)
+
+
+@pytest.fixture
+def store(recorded: tuple[Path, dict[str, float]]) -> Path:
+    return recorded[0]
 
 
 def step_one(output: Path) -> list[dict[str, Any]]:
@@ -126,6 +140,21 @@ def test_the_kill_split_the_records_and_marked_the_later_ones(store: Path) -> No
     assert sorted(len(records) for _, records in groups) == [1, 1, 2, 2]
 
 
+def test_what_the_dead_process_held_open_is_counted_lost_once_and_the_rest_recorded(
+    recorded: tuple[Path, dict[str, float]],
+) -> None:
+    """Nothing is both stored and counted, nor neither: the open trajectory's first turn is
+    the one call lost; its turn after the kill is a record of its own, marked."""
+    output, dropped = recorded
+    assert dropped == {"capture_process_lost": 1, "capture_process_down": 0}
+    [after] = [t for t in trajectories(output) if t["key"]["sample_index"] == OPEN]
+    assert len(after["calls"]) == 1 and after["close_reason"] == "done"
+    assert [a["source"] for a in after["annotations"]] == ["capture_restart"]
+    stored = sum(len(t["calls"]) for t in trajectories(output))
+    sent = 4 + 3 + 2 + 1 + 2  # split, episode, ended and its successor, step 2's, open
+    assert stored + dropped["capture_process_lost"] == sent
+
+
 def test_show_presents_one_rollout_with_every_turn(store: Path) -> None:
     printed = io.StringIO()
     assert show(store, step=1, out=printed) == 0
@@ -151,7 +180,7 @@ async def test_the_viewer_lists_and_shows_one_rollout_with_every_turn(store: Pat
     calls = Counter((e.sample_index, e.trajectory_id, e.calls) for e in entries)
     assert calls == Counter([(SPLIT, None, 4), (None, EPISODE, 3), (ENDED, None, 1),
                              (ENDED, None, 1)])  # fmt: skip
-    assert run.trajectories == 5  # the four of step 1 and step 2's, each counted once
+    assert run.trajectories == 6  # the four of step 1 and step 2's two, each counted once
     assert run.steps[(False, 1)].stats.trajectories == 4
     [split] = [e for e in entries if e.sample_index == SPLIT]
     assert len(split.parts) == 2 and split.close_reason == "done"
