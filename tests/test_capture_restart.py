@@ -297,3 +297,12 @@ def test_a_record_a_store_holds_twice_is_read_once() -> None:
     assert one["parts"] == ["a", "b"]
     keyed = [(here, {**_record("c", 130.0, "done"), "key": {"step": 1, "sample_index": 3}})]
     assert len(one_per_trajectory(keyed * 2)) == 1
+
+
+def test_a_mark_that_is_not_one_joins_nothing() -> None:
+    from trace_proxy.store.restarts import restart_since
+
+    for notes in (5, "capture_restart", [5], [{"source": "capture_restart", "value": "1"}],
+                  [{"source": "capture_restart", "value": True}], None):  # fmt: skip
+        assert restart_since({"annotations": notes}) is None
+    assert restart_since({"annotations": [{"source": "capture_restart", "value": 7}]}) == 7.0

@@ -29,7 +29,8 @@ from trace_proxy.trajectories.record import RESTART_SOURCE
 def restart_since(record: Mapping[str, Any]) -> float | None:
     """The start of the proxy whose restarted capture process wrote `record`, when it is
     marked so."""
-    for note in record.get("annotations") or ():
+    notes = record.get("annotations")
+    for note in notes if isinstance(notes, list) else ():
         if isinstance(note, dict) and note.get("source") == RESTART_SOURCE:
             value = note.get("value")
             if isinstance(value, (int, float)) and not isinstance(value, bool):
