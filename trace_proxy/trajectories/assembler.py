@@ -6,6 +6,14 @@ a later step of the same experiment starts, after `idle_timeout` without a call,
 open-trajectory bound is reached (oldest first), or at shutdown. A call that arrives for an
 already-closed trajectory opens a new part of it (`part` = 2, 3, ...), so nothing is lost.
 Calls with no key at all are single-call trajectories.
+
+A capture process started in place of one that died (`follow_restart`) cannot know what that
+one held: each trajectory it opens, in its first `idle_timeout`, without having seen it before
+carries a restart mark (`restart_mark`), so readers join it with this proxy's earlier record
+of the same trajectory, if the dead process had written one. Later, a trajectory the dead one
+held would have been closed as idle anyway; and a key the traffic inferred (`inferred:*`) is
+never marked: the new process numbers steps and rollouts afresh, so the same inferred key
+may name another rollout.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from trace_proxy.trajectories.record import (
     StepEvent,
     ToolCall,
     new_record_id,
+    restart_mark,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
 
@@ -45,6 +54,7 @@ from trace_proxy.trajectories.rewards import Outcome, matches
 # latest samples' (a group's rollouts start close together), at most so many and so large.
 FIRST_PROMPTS = 1024
 FIRST_PROMPTS_BYTES = 32 << 20
+_KEY_FIELDS = ("step", "sample_index", "rollout_n")  # what names a trajectory without an id
 
 
 def _mapped_id(key: RolloutKey) -> bool:
@@ -94,6 +104,22 @@ class Assembler:
         self._latest_step: dict[tuple[str, str, bool], int] = {}
         self._first_prompts: OrderedDict[Hashable, tuple[bytes, int]] = OrderedDict()
         self._first_prompts_bytes = 0
+        self._restart_since: float | None = None  # see `follow_restart`
+        self._restart_marks_until = 0.0
+
+    def follow_restart(self, since: float) -> None:
+        """This process replaces a capture process of the same proxy (started at `since`, wall
+        clock) that died with its open trajectories."""
+        self._restart_since = since
+        self._restart_marks_until = self._clock() + self._idle_timeout
+
+    def _may_continue(self, key: RolloutKey) -> bool:
+        """May a trajectory first seen now have begun in the capture process this one
+        replaced, under a key that names it alike in both?"""
+        if self._restart_since is None or self._clock() > self._restart_marks_until:
+            return False
+        names = ("trajectory_id",) if key.trajectory_id is not None else _KEY_FIELDS
+        return not any(key.sources.get(name, "").startswith("inferred") for name in names)
 
     @property
     def open_count(self) -> int:
@@ -296,6 +322,9 @@ class Assembler:
         if trajectory is None:
             part = self._parts.pop(identity, 0) + 1
             trajectory = OpenTrajectory(new_record_id(), key, part, now)
+            if part == 1 and self._may_continue(key):
+                assert self._restart_since is not None
+                trajectory.annotations.append(restart_mark(self._restart_since))
             self._open[identity] = trajectory
             if len(self._open) > self._max_open:
                 _, oldest = self._open.popitem(last=False)

@@ -285,6 +285,21 @@ _ids = random.Random()  # seeded from the OS
 os.register_at_fork(after_in_child=_ids.seed)  # a forked process must not repeat its parent's
 
 
+RESTART_SOURCE = "capture_restart"
+
+
+def restart_mark(since: float) -> dict[str, Any]:
+    """The annotation of a trajectory first seen by a capture process that replaced one that
+    died: its calls before that death are in this proxy's earlier record of it (one that
+    started at or after `since`, when the proxy started), or were lost with that process
+    (counted as `capture_process_lost`). Readers join the two (`store/restarts.py`)."""
+    return {
+        "field": "part", "source": RESTART_SOURCE, "value": since,
+        "note": "begun after a capture process restart: earlier calls are in this proxy's "
+                "previous record of it, or were lost",
+    }  # fmt: skip
+
+
 def new_record_id() -> str:
     """128 random bits in the shape of `uuid4().hex`, without a system call per id."""
     bits = _ids.getrandbits(128) & ~(0xF000 << 64) | (0x4000 << 64)  # version 4
