@@ -322,6 +322,39 @@ def _call_dict(call: GenerateCall) -> dict[str, Any]:
     }
 
 
+def prompt_texts(
+    calls: Sequence[dict[str, Any]], prompts: Sequence[dict[str, Any]]
+) -> list[str | None]:
+    """The whole text of each call's prompt, as far as a stored trajectory (its JSON form,
+    `prompts` its `expand_prompts`) tells it: a text prompt's text; a token prompt's decoded
+    piece (token2text's `prompt_text`), after the text of what it extends when that is the
+    whole of the call before it (its prompt and first answer); None when it is not known (a
+    prompt that keeps only part of what came before, or ids never decoded)."""
+    texts: list[str | None] = []
+    for position, call in enumerate(calls):
+        piece = call.get("prompt_text")
+        if not isinstance(piece, str):
+            text = prompts[position].get("text")
+            texts.append(text if isinstance(text, str) else None)
+            continue
+        prompt = call.get("prompt") or {}
+        ref, shared = prompt.get("prefix_call"), (prompt.get("prefix_len") or {}).get("token_ids")
+        if ref is None or shared is None:
+            texts.append(piece)  # the stored ids are the whole prompt
+            continue
+        known = None
+        if isinstance(ref, int) and 0 <= ref < position and texts[ref] is not None:
+            first = (calls[ref].get("outputs") or [{}])[0]
+            first = first if isinstance(first, dict) else {}
+            ids = first.get("token_ids") or []
+            answer = first.get("response_text") if ids else ""
+            whole = len(prompts[ref].get("token_ids") or []) + len(ids)
+            if shared == whole and isinstance(answer, str):
+                known = f"{texts[ref]}{answer}{piece}"
+        texts.append(known)
+    return texts
+
+
 def transcript_of(trajectory: dict[str, Any]) -> str | None:
     """A stored trajectory's full decoded transcript: stored as such when the trajectory
     branches, else rebuilt from its calls' decoded pieces (it is not stored twice)."""
