@@ -112,7 +112,10 @@ def token_conversation(
     earlier turns) is read whole instead: what the model saw last is the conversation."""
     if not calls:
         return None
-    texts = prompt_texts(calls, prompts)
+    texts = [
+        text if text is not None or call.get("prompt_text") is not None else _text(prompt)
+        for call, prompt, text in zip(calls, prompts, prompt_texts(calls), strict=True)
+    ]  # token prompts decoded where the pieces tell them; text prompts as sent
     last_answer = first_output(calls[-1])
     if texts[-1] is None and last_answer is not None and calls[-1].get("prompt_text") is not None:
         texts[-1] = _prompt_of_transcript(record.get("transcript"), answer_text(last_answer))
@@ -142,6 +145,10 @@ def token_conversation(
             conversation.add_answer(text, call.get("index", position), spans)
         context = None if full is None or text is None else full + text
     return conversation.messages
+
+
+def _text(prompt: dict[str, Any]) -> str | None:
+    return prompt["text"] if isinstance(prompt.get("text"), str) else None
 
 
 def answer_text(answer: dict[str, Any]) -> str | None:
