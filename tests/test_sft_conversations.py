@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -189,16 +189,28 @@ def conversations(draw: st.DrawFn) -> list[dict[str, Any]]:
     return messages
 
 
+@dataclass(frozen=True)
+class Qwen:
+    """The tokenizer, named in a failing example's report instead of listed token by token."""
+
+    tokenizer: Any = field(repr=False)
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_tokenizer: Any) -> Qwen:
+    return Qwen(qwen_tokenizer)
+
+
 @pytest.mark.parametrize("decoded_by", ["token2text", "export"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(messages=conversations())
 def test_a_token_conversation_rendered_again_is_the_last_prompt_and_its_answer(
-    qwen_tokenizer: Any, decoded_by: str, messages: list[dict[str, Any]]
+    qwen: Qwen, decoded_by: str, messages: list[dict[str, Any]]
 ) -> None:
-    made = agent_trajectory(qwen_tokenizer, messages, decoded_by)
+    made = agent_trajectory(qwen.tokenizer, messages, decoded_by)
     row = sft_row(made.record, HERMES)
     # The template writes a newline after the last answer's end-of-turn token.
-    assert rendered(qwen_tokenizer, row) == made.last_prompt + made.last_answer + "\n"
+    assert rendered(qwen.tokenizer, row) == made.last_prompt + made.last_answer + "\n"
     got = row["messages"]
     if messages[0]["role"] != "system":  # the template writes one for the tools
         messages = [{"role": "system", "content": got[0]["content"]}, *messages]
@@ -499,16 +511,17 @@ async def plain_text_calls(session: aiohttp.ClientSession, proxy: str) -> list[s
     return pieces
 
 
-def exported(output: Path, out: Path) -> dict[int, dict[str, Any]]:
-    """The SFT rows of a store, by sample, as `datasets` reads the export's files."""
+def exported(output: Path, out: Path) -> tuple[dict[int, dict[str, Any]], str]:
+    """The SFT rows of a store, by sample, as `datasets` reads the export's files, and the
+    export's summary."""
     datasets = pytest.importorskip("datasets")
     from trace_proxy.dataset.build import write_dataset
     from trace_proxy.dataset.reading import Selection
 
-    write_dataset(output, out, "sft", Selection())
+    written = write_dataset(output, out, "sft", Selection())
     files = sorted(str(p) for p in out.glob("*.parquet"))
     rows = datasets.load_dataset("parquet", data_files=files, split="train")
-    return {row["sample_index"]: dict(row) for row in rows}
+    return {row["sample_index"]: dict(row) for row in rows}, written.tally.describe()
 
 
 @pytest.mark.parametrize("upstream", ["vllm", "sglang"])
@@ -532,7 +545,9 @@ async def test_each_token_dialects_row_renders_as_the_last_prompt_and_its_answer
             sent[sample] = await three_calls(session, proxy, qwen_tokenizer, dialect, sample)
         if upstream == "vllm":
             plain = await plain_text_calls(session, proxy)
-    rows = exported(tmp_path / "out", tmp_path / "sft")
+    rows, summary = exported(tmp_path / "out", tmp_path / "sft")
+    unparsed = "trajectories with prompt text in no chat template the tool parser knows"
+    assert (f"1 {unparsed}" in summary) == (upstream == "vllm"), summary
     for sample, (roles, last_prompt, last_answer) in sent.items():
         row, name = rows[sample], dialects[sample].name
         messages = row["messages"]
