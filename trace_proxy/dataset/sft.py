@@ -7,9 +7,9 @@ decoded text, when the store has it (token2text): the first prompt's turns, then
 answer as the tool parser reads it (its calls named after the trajectory's tool spans) and the
 turns the next prompt adds after it (tool results, a user's next question...). Turns are read
 from the chat template's markers where the tool parser's family knows them (ChatML, harmony);
-other text is one `user` message marked `unparsed`, holding it as written. Rendered with the
-model's chat template, the messages give back the last prompt and its answer. A trajectory with
-no text at all gets no messages (null), and is counted.
+other text is one `user` message marked `unparsed`, holding it as written. So where the
+template is known, the messages rendered with it give back the last prompt and its answer. A
+trajectory with no text at all gets no messages (null), and is counted.
 """
 
 from __future__ import annotations
