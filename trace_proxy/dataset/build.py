@@ -26,6 +26,10 @@ NO_MESSAGES = (
     "trajectories without text for messages (null; recorded without a tokenizer: --tokenizer "
     "decodes them)"
 )
+UNPARSED = (
+    "trajectories with prompt text in no chat template the tool parser knows (kept as user "
+    "messages marked unparsed)"
+)
 
 
 @dataclass
@@ -64,6 +68,8 @@ def write_dataset(
             row = sft_row(record, parser)
             if row["messages"] is None:
                 tally.notes[NO_MESSAGES] += 1
+            elif any(m["unparsed"] for m in row["messages"]):
+                tally.notes[UNPARSED] += 1
             return [row]
 
     else:

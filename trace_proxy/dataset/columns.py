@@ -41,6 +41,9 @@ MESSAGE = pa.struct(
         pa.field("tool_calls", pa.list_(TOOL_CALL)),
         pa.field("tool_call_id", pa.string()),
         pa.field("name", pa.string()),
+        # true: text a token prompt added whose roles no known chat template told (a `user`
+        # message holding it as it was written)
+        pa.field("unparsed", pa.bool_()),
     ]
 )
 
