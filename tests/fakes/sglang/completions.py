@@ -9,7 +9,10 @@ Refusals are the serving classes' JSON 400s: FastAPI's validation of `Completion
 `_validate_request`'s "Prompt cannot be empty", and the manager's `ValueError`s (a prompt too
 long for the context), which a stream raises before its 200 (`_handle_streaming_request`
 kick-starts the generator). A stream cut by `/abort_request` ends each unfinished choice with
-the chunk SGLang makes of the abort: no new text, `finish_reason` `"abort"`.
+the chunk SGLang makes of the abort: no new text, `finish_reason` `"abort"`. (That is the
+default, cumulative streaming; with `--incremental-streaming-output` SGLang's abort chunk
+re-sends the last token, which `_generate_chat_stream` trims from its ids; the fake sends no
+new token in either mode.)
 """
 
 from __future__ import annotations
