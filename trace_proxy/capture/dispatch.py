@@ -18,7 +18,12 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
-from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
+from trace_proxy.capture.dialects.common import (
+    decode_request,
+    exchange_failure,
+    new_call,
+    stream_failure,
+)
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
@@ -190,7 +195,7 @@ class Dispatcher:
         call = new_call(exchange, dialect, {})
         call.stream = bool(body.get("stream"))
         call.unparsed = reason
-        call.error = exchange_failure(exchange)
+        call.error = exchange_failure(exchange) or stream_failure(exchange)
         return ParsedCall(call, body)
 
 

@@ -93,6 +93,20 @@ def http_error(status: int | None, body: Any) -> CallError | None:
     return CallError(type=f"http_{status}", message=text[:MAX_ERROR_MESSAGE])
 
 
+def stream_failure(ex: Exchange) -> CallError | None:
+    """The first error event of a 2xx event stream: servers refuse some requests after their
+    200 (SGLang's `/generate` raises its validation errors once the stream has begun)."""
+    if not ex.is_event_stream or ex.status is None or ex.status >= 400:
+        return None
+    try:
+        for event in stream_events(ex):
+            if "error" in event and "meta_info" not in event:
+                return stream_error(event)
+    except ParseError:
+        return None
+    return None
+
+
 def stream_error(event: Mapping[str, Any]) -> CallError:
     err = event.get("error")
     if isinstance(err, dict):
