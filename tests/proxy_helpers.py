@@ -43,6 +43,19 @@ class HeldLoader:
         return self.real(sources, skip_special_tokens)
 
 
+def release_as_stop_begins(service: ProxyService, loader: HeldLoader) -> None:
+    """The tokenizer finishes loading only once the proxy (its recorder in this process) is
+    stopping: a client whose whole run fitted in the first seconds after the start, then the
+    end of the training script."""
+    stop = service.recorder.stop
+
+    async def stop_then_load(*args: Any, **kwargs: Any) -> None:
+        loader.released.set()
+        await stop(*args, **kwargs)
+
+    service.recorder.stop = stop_then_load  # type: ignore[method-assign]
+
+
 @contextlib.asynccontextmanager
 async def running_proxy(
     upstreams: list[str], output: Path, **overrides: Any

@@ -17,7 +17,14 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from proxy_helpers import HeldLoader, metric, running_proxy, scripted_upstream, trajectories
+from proxy_helpers import (
+    HeldLoader,
+    metric,
+    release_as_stop_begins,
+    running_proxy,
+    scripted_upstream,
+    trajectories,
+)
 
 from trace_proxy.capture import stage as stage_module
 from trace_proxy.config import Settings
@@ -265,18 +272,6 @@ async def skyrl_train_group(proxy: str, tokenizer: Any) -> list[list[int]]:
     return prompts
 
 
-def release_as_stop_begins(service: ProxyService, loader: HeldLoader) -> None:
-    """The tokenizer finishes loading only once the proxy is stopping: a client whose whole
-    run fitted in the first seconds after the start, then the end of the training script."""
-    stop = service.recorder.stop
-
-    async def stop_then_load(*args: Any, **kwargs: Any) -> None:
-        loader.released.set()
-        await stop(*args, **kwargs)
-
-    service.recorder.stop = stop_then_load  # type: ignore[method-assign]
-
-
 @pytest.mark.parametrize(
     ("token2text", "export_mode"), [(False, "inline"), (True, "process")]
 )  # fmt: skip
@@ -324,20 +319,24 @@ async def test_a_batched_group_sent_while_the_tokenizer_loads_is_told_apart_at_s
     assert sorted(t["key"]["rollout_n"] for t in recorded) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("bounded", [False, True])
-async def test_a_stop_waits_for_the_loading_tokenizer_a_quarter_of_its_grace(
-    tmp_path: Path, qwen_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, bounded: bool
+@pytest.mark.parametrize(("bounded", "grace"), [(False, 4.0), (True, 12.0)])
+async def test_a_stop_waits_for_the_loading_tokenizer_within_its_grace(
+    tmp_path: Path,
+    qwen_tokenizer: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    bounded: bool,
+    grace: float,
 ) -> None:
-    """The tokenizer never loads: at a stop, the call that waits for it waits a quarter of
-    --shutdown-grace, then is placed as ambiguous, and the calls queued behind it are parsed,
-    also by a stop that must end in time (`bounded`: a capture process whose proxy is gone,
-    which has half the grace to parse), not counted dropped."""
+    """The tokenizer never loads: at a stop, the call that waits for it waits up to
+    --shutdown-grace (a quarter of it when the stop must end in time, `bounded`: a capture
+    process whose proxy is gone, which has half the grace to parse), then is placed as
+    ambiguous, and the calls queued behind it are parsed, not counted dropped."""
     loader = HeldLoader()
     monkeypatch.setattr(recorder_module, "load_configured", loader)
     async with scripted_upstream(BatchedTextVLLM().handle) as up:
         settings = dataclasses.replace(
             Settings(), upstream=[up], port=0, admin_port=0, output=tmp_path,
-            capture_mode="inline", export_mode="inline", shutdown_grace=12.0,
+            capture_mode="inline", export_mode="inline", shutdown_grace=grace,
             tokenizer=[str(ensure_qwen_tokenizer())],
         )  # fmt: skip
         service, proxy = await serve(settings)

@@ -370,9 +370,10 @@ class Recorder:
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
         # The tokenizer still loading: the calls that wait for it (a client that ran its whole
-        # rollout in the first seconds) get it, within a quarter of the time, instead of being
-        # marked ambiguous for want of it.
-        await self.capture.stop(timeout / 2 if bounded else None, decoders_within=timeout / 4)
+        # rollout in the first seconds) get it, within `timeout` (half of the parsing time
+        # when bounded), instead of being marked ambiguous for want of it.
+        parse_within = timeout / 2 if bounded else None
+        await self.capture.stop(parse_within, decoders_within=None if bounded else timeout)
         if self._inference_tokenizers is not None:
             self._inference_tokenizers.cancel()  # nothing waits for it any longer
         for task, outcome in list(self._annotating.items()):
