@@ -271,6 +271,56 @@ def test_outputs_and_text_for_tool_spans_come_from_the_plugin_settings(tmp_path:
     assert "--token2text" not in read_settings(_config()).proxy_args  # no local tokenizer
 
 
+def test_verls_default_token2text_is_not_a_users_choice(tmp_path: Path) -> None:
+    """verl ships `trace.token2text: false`, and its composed config does not say who set a
+    value: at verl's default it leaves decoding to the local tokenizer; only a value other
+    than verl's, or `trace_proxy.token2text`, decides (tests/real/test_verl_settings.py runs
+    this on verl's own composed config)."""
+    shipped = {"backend": None, "token2text": False}  # verl 0.9.1's rollout.yaml
+
+    def decoding(trace: dict[str, Any], ours: dict[str, Any], local: bool) -> list[str]:
+        config = _config(**trace)
+        if local:
+            config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)
+        config["trace_proxy"] = ours
+        args = read_settings(config, shipped).proxy_args
+        return [a for a in args if a in ("--token2text", "--tokenizer")]
+
+    on = ["--token2text", "--tokenizer"]
+    assert decoding({"token2text": False}, {}, local=True) == on  # verl's default, not a choice
+    assert decoding({}, {}, local=True) == on
+    assert decoding({"token2text": False}, {}, local=False) == []  # nothing to decode with
+    assert decoding({"token2text": True}, {}, local=False) == ["--token2text"]  # the user's
+    assert decoding({"token2text": False}, {"token2text": False}, local=True) == []
+    assert decoding({"token2text": True}, {"token2text": "false"}, local=True) == []  # ours wins
+    # A verl that shipped true: its false would be the user's, and turn decoding off.
+    config = _config(token2text=False)
+    config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)
+    assert "--token2text" not in read_settings(config, {"token2text": True}).proxy_args
+
+
+def test_verls_defaults_are_read_from_the_verl_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without verl, no default is known and verl's value is taken as set; with it, its
+    rollout.yaml (where verl's trainer configs take the trace block from) says the default."""
+    from trace_proxy.integrations.verl.settings import verl_trace_defaults
+
+    assert verl_trace_defaults() == {}  # this venv has no verl
+    rollout = tmp_path / "verl" / "trainer" / "config" / "rollout"
+    rollout.mkdir(parents=True)
+    (tmp_path / "verl" / "__init__.py").write_text("")
+    (rollout / "rollout.yaml").write_text(
+        "name: ???\ntrace:\n  _target_: verl.workers.config.TraceConfig\n"
+        "  project_name: ${oc.select:trainer.project_name,null}\n  token2text: False\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert verl_trace_defaults()["token2text"] is False
+    config = _config(token2text=False)
+    config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)
+    assert "--token2text" in read_settings(config).proxy_args
+
+
 async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed_around(
     tmp_path: Path, qwen_tokenizer: Any, start_fake: Any
 ) -> None:

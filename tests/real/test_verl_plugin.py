@@ -107,6 +107,8 @@ def test_store_holds_every_rollout_with_verls_numbers(verl_run: Path, trainer: s
 
 @TRAINERS
 def test_tool_turns_are_tool_spans(verl_run: Path, trainer: str) -> None:
+    """With only the documented overrides: verl's own `trace.token2text` stays at its default
+    (false), and the local model directory's tokenizer decodes the calls all the same."""
     records = [r for r in _records(verl_run, trainer) if r["key"]["sample_index"] == TOOL_SAMPLE]
     assert records
     for record in records:

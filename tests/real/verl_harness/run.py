@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +42,15 @@ N = 2
 
 
 def compose_config(
-    model_dir: str, work: Path, plugin: bool, v1: bool = False, sidecar: Any = None
+    model_dir: str,
+    work: Path,
+    plugin: bool,
+    v1: bool = False,
+    sidecar: Any = None,
+    extra: Sequence[str] = (),
 ) -> Any:
+    """verl's config as its `main_ppo` composes it from `ppo_trainer.yaml` and command-line
+    overrides; with the plugin, only the overrides its documentation names (and `extra`)."""
     import verl.trainer.config as verl_config
 
     tool_config = work / "tools.yaml"
@@ -78,11 +86,12 @@ def compose_config(
             "trace_proxy.integrations.verl.AgentLoopManager",
         ]
         if sidecar is None:
-            overrides += [f"+trace_proxy.output={work / 'traces'}", "+trace_proxy.token2text=true"]
+            overrides += [f"+trace_proxy.output={work / 'traces'}"]
         else:
             os.environ["TRACE_PROXY_ADMIN_TOKEN"] = sidecar.admin_token
             overrides += [f"+trace_proxy.url={sidecar.proxy_url}",
                           f"+trace_proxy.admin_url={sidecar.admin_url}"]  # fmt: skip
+    overrides += extra
     config_dir = os.path.dirname(verl_config.__file__)
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
