@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
@@ -21,6 +22,7 @@ from trace_proxy.config import (
 from trace_proxy.logtext import configure_logging
 
 EXIT_USAGE = 2
+log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 A transparent reverse proxy in front of vLLM / SGLang servers that records every generate call
@@ -155,6 +157,10 @@ async def _serve(settings: Settings) -> int:
     except ConfigError as exc:
         print(f"trace-proxy: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if settings.lifeline_fd is not None:
+        _end_with_starter(settings, loop, stopping)
     try:
         addresses = await service.start()
     except (TokenizerError, ConfigError) as exc:
@@ -169,14 +175,11 @@ async def _serve(settings: Settings) -> int:
               f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
         await service.stop()
         return 1
-    print(
+    _say(
         f"trace-proxy: forwarding {addresses.proxy} -> {_targets(settings)}; "
         f"records -> {', '.join(settings.backend)} ({settings.output}); "
-        f"metrics at {addresses.admin}/metrics, readiness at {addresses.admin}/ready",
-        flush=True,
+        f"metrics at {addresses.admin}/metrics, readiness at {addresses.admin}/ready"
     )
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     failure = service.failure
@@ -190,12 +193,45 @@ async def _serve(settings: Settings) -> int:
         print(f"trace-proxy: error: {_start_error(failure.result())}", file=sys.stderr,
               flush=True)  # fmt: skip
         code = EXIT_USAGE
-    print("trace-proxy: stopping: draining in-flight requests, then flushing records", flush=True)
+    _say("trace-proxy: stopping: draining in-flight requests, then flushing records")
     await service.stop()
     left = service.backlog
     spooled = f"; left in the spool: {_counts(left)}" if left is not None else ""
-    print(f"trace-proxy: stopped{spooled}", flush=True)
+    _say(f"trace-proxy: stopped{spooled}")
     return code
+
+
+def _say(line: str) -> None:
+    """A line on stdout; when no one reads it any more (the process that started the proxy
+    has died with the pipe's other end), this and every later line go nowhere instead."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _end_with_starter(
+    settings: Settings, loop: asyncio.AbstractEventLoop, stopping: asyncio.Event
+) -> None:
+    """--lifeline-fd: when the process that started the proxy ends, stop as on SIGTERM, all
+    of it within `orphan_bound` (processes/lifeline.py)."""
+    from trace_proxy.processes.lifeline import exit_by, orphan_bound, watch_pipe
+
+    assert settings.lifeline_fd is not None
+    bound = orphan_bound(settings.shutdown_grace)
+
+    def ended() -> None:
+        log.warning("trace-proxy: the process that started it has ended: draining what it "
+                    "holds, within %.0f s", bound)  # fmt: skip
+        exit_by(bound, "proxy", "the process that started it has ended")
+        stopping.set()
+
+    def from_the_watcher() -> None:
+        loop.call_soon_threadsafe(ended)
+
+    watch_pipe(settings.lifeline_fd, from_the_watcher)
 
 
 def _targets(settings: Settings) -> str:

@@ -352,6 +352,12 @@ class Settings:
         parse_seconds, 30.0, "on SIGTERM/SIGINT, seconds to let in-flight "
         "requests finish before records are flushed, and then for the backends to catch up; "
         "helper processes whose proxy was killed finish within it", metavar="SECONDS")
+    lifeline_fd: int | None = option(
+        parse_optional_count, None, "the read end of a pipe the process that "
+        "started the proxy holds the write end of (inherited descriptor number): when it "
+        "reads end of file, that process has ended however it ended, and the proxy stops as "
+        "on SIGTERM, gone within twice --shutdown-grace and 10 s more",
+        metavar="FD", commands=("serve",))
     map: list[str] = option(
         _mapping, ["header:X-Session-ID=trajectory_id"],
         "take a key field from what clients already send: SOURCE:NAME=FIELD or "

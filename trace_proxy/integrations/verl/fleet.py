@@ -12,8 +12,11 @@ and each proxy costs two helper processes and a spool.
 Each proxy writes its own replica directory, `<output>/replicas/<node>`, so several never
 write one file; `trace-proxy show` and `trace-proxy ui` read the replicas of one output as one
 store. A proxy that dies is started again on the same ports by its actor (and a dead actor by
-Ray, on new ports, which the workers ask it for); meanwhile its calls take verl's own path,
-counted. The proxies stop, after writing every record, with the process that started them.
+Ray, on new ports, which the workers ask it for, and into a replica directory of its own: the
+dead actor's proxy may still be draining into the first); meanwhile its calls take verl's own
+path, counted. A proxy ends with its actor: stopped, or when the actor dies however it dies
+(as when Ray ends the job: verl's trainer never stops anything), draining what it holds first
+(launcher.py).
 """
 
 from __future__ import annotations
@@ -90,6 +93,8 @@ class NodeProxy:
         self, args: list[str], output: str, token: str, servers: list[str], timeout: float
     ) -> None:
         self._host = _host(servers[0])
+        if _restarted_actor():  # the dead actor's proxy may still be draining into `output`
+            output = f"{output}-{uuid.uuid4().hex[:6]}"
         self._args = [*args, "--output", output, "--host", self._host]
         self._token = token
         self._servers = servers
@@ -107,15 +112,15 @@ class NodeProxy:
     def _watch(self) -> None:
         while True:
             proxy = self._proxy
-            code = proxy.process.wait()
+            proxy.process.wait()
+            proxy.process.release()
             if self._stopping.is_set():
                 return
             ports = (_port(proxy.proxy_url), _port(proxy.admin_url))
             log.warning(
-                "trace-proxy on %s exited (code %s): starting it again on the same ports; "
+                "trace-proxy on %s exited: starting it again on the same ports; "
                 "its calls take verl's own path meanwhile",
                 self._host,
-                code,
             )
             while not self._stopping.is_set():
                 try:
@@ -135,11 +140,20 @@ class NodeProxy:
         return {"pid": self._proxy.process.pid, "restarts": self.restarts,
                 "node_id": _node_id(), "proxy_url": self._proxy.proxy_url}  # fmt: skip
 
-    def stop(self) -> int | None:
+    def stop(self) -> None:
         """SIGTERM to the proxy: it finishes what is in flight and writes every record."""
         self._stopping.set()
         self._proxy.stop()
-        return self._proxy.process.returncode
+
+
+def _restarted_actor() -> bool:
+    """This actor is one Ray started again after the first died."""
+    import ray
+
+    try:
+        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
+    except Exception:  # not in an actor
+        return False
 
 
 def _port(url: str) -> int:
