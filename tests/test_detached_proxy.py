@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from fakes import FakeVLLM
 from proxy_helpers import children, gone, trajectories
 from test_lifecycle import chat, stored, until, until_gone
 
@@ -64,23 +65,39 @@ def kill_as_ray_does(starter: subprocess.Popen[str]) -> None:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 async def test_a_proxy_whose_starter_is_killed_writes_what_it_holds_and_exits(
-    fake_vllm: tuple[Any, str], tmp_path: Path
+    qwen_tokenizer: Any, tmp_path: Path
 ) -> None:
-    _, upstream = fake_vllm
-    starter, started = await start_starter(upstream, tmp_path)
-    try:
-        assert started["pid"] not in children(starter.pid)  # nobody's child in its tree
-        async with aiohttp.ClientSession() as session:
-            await chat(session, started["proxy"], 1, 0)  # closed by done
-            await until(lambda: stored(tmp_path) == [(1, 0, 1)])
-            for sample in (1, 2):  # open: only the proxy's capture process holds them
-                await chat(session, started["proxy"], 1, sample, done=False)
-    finally:
-        kill_as_ray_does(starter)
-    await until_gone([started["pid"]], within=orphan_bound(GRACE) + GRACE + ORPHAN_SLACK)
-    assert stored(tmp_path) == [(1, 0, 1), (1, 1, 1), (1, 2, 1)]
+    """Closed, open and still generating when the run ends (the last step of an asynchronous
+    run: its client dies with the job): every trajectory is written."""
+    fake = FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True, token_delay=0.05)
+    async with fake.serve() as upstream:
+        starter, started = await start_starter(upstream, tmp_path)
+        generating = None
+        try:
+            assert started["pid"] not in children(starter.pid)  # nobody's child in its tree
+            async with aiohttp.ClientSession() as session:
+                await chat(session, started["proxy"], 1, 0)  # closed by done
+                await until(lambda: stored(tmp_path) == [(1, 0, 1)])
+                for sample in (1, 2):  # open: only the proxy's capture process holds them
+                    await chat(session, started["proxy"], 1, sample, done=False)
+            client = aiohttp.ClientSession()
+            generating = await client.post(
+                started["proxy"] + "/v1/chat/completions",
+                json={"model": "tiny-qwen", "messages": [{"role": "user", "content": "q3"}],
+                      "max_tokens": 400, "stream": True},
+                headers={"X-Rollout-Step": "1", "X-Rollout-Sample-Index": "3"},
+            )  # fmt: skip
+            assert generating.status == 200
+            await generating.content.readline()  # the upstream is generating
+        finally:
+            kill_as_ray_does(starter)
+            if generating is not None:  # its client dies with the job
+                generating.close()
+                await client.close()
+        await until_gone([started["pid"]], within=orphan_bound(GRACE) + GRACE + ORPHAN_SLACK)
+    assert stored(tmp_path) == [(1, 0, 1), (1, 1, 1), (1, 2, 1), (1, 3, 1)]
     assert sorted(t["close_reason"] for t in trajectories(tmp_path)) == [
-        "done", "shutdown", "shutdown"]  # fmt: skip
+        "done", "shutdown", "shutdown", "shutdown"]  # fmt: skip
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
