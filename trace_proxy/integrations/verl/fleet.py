@@ -162,8 +162,9 @@ def _port(url: str) -> int:
 
 @dataclass
 class ProxyFleet:
-    """The node proxies of one trainer: started with its agent-loop manager, stopped (each
-    drained) when the trainer's process ends."""
+    """The node proxies of one trainer, started with its agent-loop manager. Each ends with
+    its actor, drained, when Ray kills the job's actors; `stop` (also at the exit of a
+    process that runs its exit handlers) ends them sooner."""
 
     actors: dict[str, Any]  # node id -> NodeProxy actor
     routes: dict[str, Route]  # server id -> the proxy of its node
