@@ -1,5 +1,5 @@
-"""`trace-proxy serve | demo | show | ui | replay | export`: the command line, from the declared
-options."""
+"""`trace-proxy serve | demo | show | ui | replay | export | recover`: the command line, from
+the declared options."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from trace_proxy.config import (
@@ -69,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
     show.add_argument("--width", type=int, default=100, help="characters of text per call line")
 
+    recover = commands.add_parser(
+        "recover",
+        help="write to the store what a killed proxy left in its spool",
+        description="Write to each store under DIRECTORY (replicas included) the records "
+        "its proxy spooled but could not write before it was killed with all its processes; "
+        "from where that proxy's jsonl backend stopped, so nothing is written twice. A spool "
+        "a running proxy holds is left alone.",
+    )
+    recover.add_argument("directory", nargs="+", help="the --output directory of serve")
+    add_options(recover, "recover")
+
     from trace_proxy.dataset.command import add_export_command
     from trace_proxy.replay.command import add_replay_command
     from trace_proxy.ui.command import add_ui_command
@@ -114,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
     extra = {k: args.pop(k) for k in ("samples", "rollouts", "steps") if k in args}
+    directories = [Path(d) for d in args.pop("directory", [])]
     try:
         settings = resolve(command, args)
         if command == "serve" and not settings.upstream and not settings.register_upstreams:
@@ -126,6 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     # Our own messages at the chosen level; libraries' chatter only when it is a warning.
     configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s", settings.log_level)
+    if command == "recover":
+        from trace_proxy.processes.recover import recover
+
+        missing = [str(d) for d in directories if not d.is_dir()]
+        if missing:
+            print(f"trace-proxy: error: not a directory: {', '.join(missing)}", file=sys.stderr)
+            return EXIT_USAGE
+        return _run(recover(directories, settings, sys.stdout))
     if command == "serve":
         from trace_proxy.processes.helper import tune_malloc
 
