@@ -1,5 +1,5 @@
 """What a proxy killed with all its processes left in its spool is never lost silently: `show`
-names it, `trace-proxy recover` writes it to the store, once."""
+and `export` name it, `trace-proxy recover` writes it to the store, once."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def cli(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 async def test_a_spool_left_by_a_proxy_killed_whole_is_named_by_show_and_recovered_once(
-    fake_vllm: tuple[Any, str], tmp_path: Path
+    fake_vllm: tuple[Any, str], tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     _, upstream = fake_vllm
     proxy_process, proxy, admin = await start_serve(upstream, tmp_path)
@@ -51,6 +51,17 @@ async def test_a_spool_left_by_a_proxy_killed_whole_is_named_by_show_and_recover
     assert shown.returncode == 0
     assert "still in its spool (2 in " in shown.stderr
     assert f"trace-proxy recover {tmp_path}" in shown.stderr
+    exported = await asyncio.to_thread(
+        cli,
+        "export",
+        str(tmp_path),
+        "--form",
+        "sft",
+        "--out",
+        str(tmp_path_factory.mktemp("sft") / "rows"),
+    )
+    assert exported.returncode == 0, exported.stderr
+    assert "still in its spool (2 in " in exported.stderr
 
     recovered = await asyncio.to_thread(cli, "recover", str(tmp_path))
     assert recovered.returncode == 0, recovered.stderr
