@@ -69,7 +69,10 @@ def leftovers(roots: list[Path]) -> list[Leftover]:
             spool = store / SPOOL
             if not spool.is_dir() or spool.is_symlink() or not idle(spool):
                 continue
-            start = cursors(spool).get(STORE_BACKEND)
+            known = cursors(spool)
+            if known and STORE_BACKEND not in known:
+                continue  # its proxy had other backends only: nothing of it is a store's
+            start = known.get(STORE_BACKEND)
             left = spool_records_after(spool, start.next if start is not None else 0)
             if left:
                 found.append(Leftover(store, spool, left))
