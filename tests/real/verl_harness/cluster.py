@@ -265,7 +265,9 @@ def main() -> int:
     # with it, every actor killed (their children and process groups with them).
     ray.shutdown()
     cluster.shutdown()
+    ended = time.monotonic()
     report["left_running_after_shutdown"] = wait_gone(str(work))
+    report["drained_seconds"] = time.monotonic() - ended  # the proxies' drain, after Ray's end
     report["seconds"] = time.monotonic() - started
     (work / "cluster.json").write_text(json.dumps(report))
     return 0
