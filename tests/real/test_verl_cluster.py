@@ -145,6 +145,19 @@ def test_a_killed_proxy_costs_no_training_error_and_nothing_is_left_running(
     assert report["left_running_after_shutdown"] == []
 
 
+def test_an_actor_ray_restarts_starts_a_proxy_beside_the_one_still_draining(
+    cluster: tuple[Path, dict[str, Any]],
+) -> None:
+    """A proxy's actor killed and started again by Ray: the old proxy drains (it is nobody's
+    child there, and its actor's death is its cue), the new one listens on new ports and
+    writes a replica directory of its own, so the two never share ports or a spool."""
+    _, report = cluster
+    restarted = report["runs"]["plugin"]["actor_restarted"]
+    before, after = restarted["before"], restarted["after"]
+    assert after["pid"] != before["pid"]
+    assert after["output"].startswith(before["output"] + "-")
+
+
 def test_a_run_ended_as_verl_ends_it_has_every_steps_trajectories_closed_when_their_loop_returned(
     cluster: tuple[Path, dict[str, Any]],
 ) -> None:

@@ -215,6 +215,24 @@ def serving_processes(marker: str) -> list[int]:
     return found
 
 
+def restart_one_actor(manager: Any) -> dict[str, Any]:
+    """Kill one node's proxy actor and let Ray start it again (as after a crash): the new
+    actor's proxy writes elsewhere while the old one drains; both are told apart here."""
+    _, actor = sorted(manager._trace_proxy.actors.items())[0]
+    before = ray.get(actor.status.remote())
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + 300
+    while True:  # polling for the restarted actor's answer
+        try:
+            after = ray.get(actor.status.remote(), timeout=30)
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    return {"before": before, "after": after}
+
+
 def wait_gone(marker: str) -> list[int]:
     """The `trace-proxy serve` processes of this run still running once the bound within
     which a proxy whose actor died must have drained and exited has passed (polled: they
@@ -259,6 +277,7 @@ def main() -> int:
         results["fallbacks"] = worker_fallbacks(manager)
         report["runs"][name] = results
         if name == "plugin":  # its actors die as a job's do (nothing is stopped); Ray stays
+            results["actor_restarted"] = restart_one_actor(manager)
             for actor in [*manager._trace_proxy.actors.values(), *manager.agent_loop_workers]:
                 ray.kill(actor)
     # The end of verl's trainer: nothing is stopped; the driver's Ray ends and its cluster

@@ -95,6 +95,7 @@ class NodeProxy:
         self._host = _host(servers[0])
         if _restarted_actor():  # the dead actor's proxy may still be draining into `output`
             output = f"{output}-{uuid.uuid4().hex[:6]}"
+        self._output = output
         self._args = [*args, "--output", output, "--host", self._host]
         self._token = token
         self._servers = servers
@@ -136,9 +137,11 @@ class NodeProxy:
         return self._proxy.proxy_url, self._proxy.admin_url
 
     def status(self) -> dict[str, Any]:
-        """For tests and operators: the proxy's process and how often it was started again."""
+        """For tests and operators: the proxy's process, where it writes, and how often it
+        was started again."""
         return {"pid": self._proxy.process.pid, "restarts": self.restarts,
-                "node_id": _node_id(), "proxy_url": self._proxy.proxy_url}  # fmt: skip
+                "node_id": _node_id(), "proxy_url": self._proxy.proxy_url,
+                "output": self._output}  # fmt: skip
 
     def stop(self) -> None:
         """SIGTERM to the proxy: it finishes what is in flight and writes every record."""
