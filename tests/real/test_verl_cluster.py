@@ -148,9 +148,9 @@ def test_a_killed_proxy_costs_no_training_error_and_nothing_is_left_running(
 def test_an_actor_ray_restarts_starts_a_proxy_beside_the_one_still_draining(
     cluster: tuple[Path, dict[str, Any]],
 ) -> None:
-    """A proxy's actor killed and started again by Ray: the old proxy drains (it is nobody's
-    child there, and its actor's death is its cue), the new one listens on new ports and
-    writes a replica directory of its own, so the two never share ports or a spool."""
+    """A proxy's actor killed and started again by Ray while its proxy is still draining: the
+    new actor's proxy writes a replica directory of its own (and listens on new ports), so the
+    two never share a spool; the old one ends all the same (nothing is left running)."""
     _, report = cluster
     restarted = report["runs"]["plugin"]["actor_restarted"]
     before, after = restarted["before"], restarted["after"]

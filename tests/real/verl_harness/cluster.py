@@ -216,20 +216,25 @@ def serving_processes(marker: str) -> list[int]:
 
 
 def restart_one_actor(manager: Any) -> dict[str, Any]:
-    """Kill one node's proxy actor and let Ray start it again (as after a crash): the new
-    actor's proxy writes elsewhere while the old one drains; both are told apart here."""
+    """Kill one node's proxy actor and let Ray start it again (as after a crash) while the
+    old actor's proxy is still draining (held stopped until the new one answers, as a drain
+    on busy cores would be): the new proxy must write elsewhere."""
     _, actor = sorted(manager._trace_proxy.actors.items())[0]
     before = ray.get(actor.status.remote())
+    os.kill(before["pid"], signal.SIGSTOP)
     ray.kill(actor, no_restart=False)
     deadline = time.monotonic() + 300
-    while True:  # polling for the restarted actor's answer
+    while True:  # polling until the restarted actor answers (the dead one may answer first)
         try:
             after = ray.get(actor.status.remote(), timeout=30)
-            break
+            if after["pid"] != before["pid"]:
+                break
         except Exception:
             if time.monotonic() > deadline:
                 raise
-            time.sleep(0.2)
+        assert time.monotonic() < deadline, "the actor was not restarted"
+        time.sleep(0.2)
+    os.kill(before["pid"], signal.SIGCONT)  # it drains now, and ends
     return {"before": before, "after": after}
 
 

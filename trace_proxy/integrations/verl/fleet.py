@@ -40,6 +40,7 @@ from trace_proxy.integrations.verl.launcher import (
     register_servers,
 )
 from trace_proxy.integrations.verl.link import Route
+from trace_proxy.store.leftovers import SPOOL, idle
 
 log = logging.getLogger(__name__)
 REPLICAS = "replicas"  # <output>/replicas/<name>: one directory per proxy
@@ -93,7 +94,7 @@ class NodeProxy:
         self, args: list[str], output: str, token: str, servers: list[str], timeout: float
     ) -> None:
         self._host = _host(servers[0])
-        if _restarted_actor():  # the dead actor's proxy may still be draining into `output`
+        if not idle(Path(output) / SPOOL):  # a dead actor's proxy still draining into it
             output = f"{output}-{uuid.uuid4().hex[:6]}"
         self._output = output
         self._args = [*args, "--output", output, "--host", self._host]
@@ -147,16 +148,6 @@ class NodeProxy:
         """SIGTERM to the proxy: it finishes what is in flight and writes every record."""
         self._stopping.set()
         self._proxy.stop()
-
-
-def _restarted_actor() -> bool:
-    """This actor is one Ray started again after the first died."""
-    import ray
-
-    try:
-        return bool(ray.get_runtime_context().was_current_actor_reconstructed)
-    except Exception:  # not in an actor
-        return False
 
 
 def _port(url: str) -> int:
