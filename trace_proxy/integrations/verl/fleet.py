@@ -12,8 +12,8 @@ and each proxy costs two helper processes and a spool.
 Each proxy writes its own replica directory, `<output>/replicas/<node>`, so several never
 write one file; `trace-proxy show` and `trace-proxy ui` read the replicas of one output as one
 store. A proxy that dies is started again on the same ports by its actor (and a dead actor by
-Ray, on new ports, which the workers ask it for, and into a replica directory of its own: the
-dead actor's proxy may still be draining into the first); meanwhile its calls take verl's own
+Ray, on new ports, which the workers ask it for, and into a replica directory of its own
+while the dead actor's proxy still drains into the first); meanwhile its calls take verl's own
 path, counted. A proxy ends with its actor: stopped, or when the actor dies however it dies
 (as when Ray ends the job: verl's trainer never stops anything), draining what it holds first
 (launcher.py).
