@@ -9,6 +9,7 @@ tests/real/test_verl_plugin.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 from pathlib import Path
 from typing import Any
@@ -360,3 +361,78 @@ async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed
         [record] = trajectories(tmp_path / output)
         assert record["close_reason"] == "done" and record["reward"] == 1.0
         assert record["calls"][0]["upstream"] == f"http://{server}"
+
+
+class WorkerStandIn:
+    """verl 0.9.1's v1 agent-loop worker as the tracing mixin meets it (`AgentLoopWorkerTQ`,
+    verl/trainer/ppo/v1/agent_loop_tq.py, over verl/experimental/agent_loop/agent_loop.py):
+    `_run_agent_loop` runs the agent loop, whose generates go through verl's LLM client (here
+    as the plugin's transport sends them: tagged with the run, through the proxy, counted on
+    it), then `_agent_loop_postprocess` computes the score (`_compute_score` sets
+    `reward_score` on the last output) and puts the sample into the TransferQueue, where the
+    trainer takes it; `_run_agent_loop` returns only after that."""
+
+    def __init__(self, link: ProxyLink, server_id: str, prompt: list[int],
+                 hand_over: Any) -> None:  # fmt: skip
+        self.llm_client = type("Client", (), {"_trace_proxy_link": link})()
+        self.server_id, self.prompt, self.hand_over = server_id, prompt, hand_over
+
+    async def _run_agent_loop(self, sampling_params: dict[str, Any], trajectory: dict[str, Any],
+                              **kwargs: Any) -> None:  # fmt: skip
+        from trace_proxy.integrations.verl.context import CURRENT_RUN
+
+        link: ProxyLink = self.llm_client._trace_proxy_link
+        run = CURRENT_RUN.get()
+        assert run is not None
+        await link.generate(self.server_id, run.tags, self.prompt, dict(sampling_params),
+                            request_id=f"r{kwargs['session_id']}")  # fmt: skip
+        run.generates += 1
+        run.admin_urls.add(str(link.admin_url))
+        output = type("AgentLoopOutput", (), {"reward_score": None})()
+        await self._compute_score([output], kwargs=kwargs)
+        await self.hand_over(run.tags.trajectory_id)
+
+    async def _compute_score(self, outputs: list[Any], kwargs: dict[str, Any]) -> None:
+        outputs[-1].reward_score = 0.5
+
+
+async def test_a_sample_is_closed_done_before_verl_hands_it_to_the_trainer(
+    tmp_path: Path, qwen_tokenizer: Any, start_fake: Any
+) -> None:
+    """v1's worker gives the trainer each sample before `_run_agent_loop` returns: the trainer
+    may end the run then. By that moment the proxy has the trajectory closed as done, with
+    verl's reward, and it is closed once."""
+    from trace_proxy.integrations.verl.worker import traced_worker_class
+
+    fake = FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True)
+    server_id = (await start_fake(fake)).removeprefix("http://")
+    settings = {"register_upstreams": True, "admin_token": TOKEN}
+    async with running_proxy([], tmp_path, **settings) as (service, proxy_url):
+        link = ProxyLink(proxy_url, service.addresses.admin, TOKEN, LIMITS)  # type: ignore[union-attr]
+        closed_when_handed_over: dict[str, list[dict[str, Any]]] = {}
+
+        async def hand_over(trajectory_id: str) -> None:  # what the trainer could see by now
+            await service.flush()
+            found = trajectories(tmp_path)
+            closed_when_handed_over[trajectory_id] = [
+                r for r in found if r["key"]["trajectory_id"] == trajectory_id
+            ]
+
+        worker_class = traced_worker_class(WorkerStandIn, "proj", "exp")
+        worker = worker_class.__new__(worker_class)  # verl's __init__ needs verl's config
+        WorkerStandIn.__init__(worker, link, server_id, qwen_tokenizer.encode("Say hi"), hand_over)
+        trajectory = {"step": 4, "sample_index": 2, "rollout_n": 0, "validate": False}
+        await asyncio.gather(*(worker._run_agent_loop(dict(SAMPLING), trajectory=trajectory,
+                                                      session_id=n) for n in range(2)))  # fmt: skip
+        await service.flush()
+        assert link._session is not None
+        await link._session.close()
+    assert len(closed_when_handed_over) == 2
+    for [record] in closed_when_handed_over.values():
+        assert record["close_reason"] == "done" and record["reward"] == 0.5
+    stored = [r for r in (json.loads(line) for path in tmp_path.rglob("*.jsonl")
+                          for line in path.read_text().splitlines())]  # fmt: skip
+    assert sorted(r["record"] for r in stored if r["record"] != "step_summary") == [
+        "trajectory",
+        "trajectory",
+    ]  # closed once: no reward left over as an annotation

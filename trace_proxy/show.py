@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from trace_proxy.logtext import printable
 from trace_proxy.store.annotations import apply_annotations
+from trace_proxy.store.leftovers import leftovers, notice
 from trace_proxy.store.readers import iter_records, run_records, runs
 from trace_proxy.store.replicas import merged_summary, one_per_trajectory, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
@@ -89,6 +90,9 @@ def show(
             shown += 1
     write(f"{shown} trajectories, {events} step events under "
           f"{', '.join(map(str, shown_roots))}")  # fmt: skip
+    left = leftovers(shown_roots)
+    if left:
+        print(printable(notice(left)), file=sys.stderr)
     return 0
 
 

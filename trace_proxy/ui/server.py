@@ -26,7 +26,9 @@ import orjson
 from aiohttp import web
 
 from trace_proxy.config import Settings
+from trace_proxy.logtext import printable
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
+from trace_proxy.store.leftovers import leftovers, notice
 from trace_proxy.store.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import history, search, views
@@ -745,6 +747,9 @@ def run_ui(
         print(f"trace-proxy: error: invalid value for --tokenizer: {exc}", file=sys.stderr)
         return 2
     print(f"trace-proxy ui: indexing {', '.join(stores)}...", flush=True)
+    left = leftovers([Path(store) for store in stores])
+    if left:
+        print(printable(notice(left)), file=sys.stderr, flush=True)
 
     async def serve() -> int:
         try:

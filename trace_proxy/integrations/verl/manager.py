@@ -207,7 +207,7 @@ def create(
         if fleet is not None:
             fleet.stop()
         raise
-    manager._trace_proxy = fleet  # stopped with the process (atexit), each drained first
+    manager._trace_proxy = fleet  # each proxy drains and ends with its actor (fleet.py)
     where = link.proxy_url or f"{len(fleet.actors) if fleet else 0} node proxies"
     log.warning("trace-proxy: verl %s %s agent loop traced through %s (%d servers)", version,
                 variant, where, len(link.routes) or 1)  # fmt: skip
