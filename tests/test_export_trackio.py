@@ -680,3 +680,35 @@ def test_a_user_turn_a_later_prompt_adds_after_tool_results_is_a_message(
     row = sft_row(orjson.loads(dumps(trajectory)), get_parser("hermes"))
     assert row["messages"][2]["content"] is None  # the row keeps a tool-only answer's null
     assert got == as_shown(row["messages"])
+
+
+def test_decoded_text_is_read_with_the_proxys_tool_parser(trackio_dir: Path, project: str) -> None:
+    """`--tool-parser gpt_oss` reaches the backend: a harmony prompt is read as its turns, not
+    as ChatML (which would leave it one unparsed user message)."""
+    from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, RolloutKey, Trajectory
+
+    prompt = (
+        "<|start|>system<|message|>You are ChatGPT.<|end|><|start|>user<|message|>Weather in "
+        "Oslo?<|end|><|start|>assistant"
+    )
+    call = GenerateCall(
+        index=0, dialect="openai.completions", route="/v1/completions", upstream="u",
+        start=1.0, end=1.5, prompt=Prompt(text=prompt),
+        outputs=[Output(index=0, text="<|channel|>final<|message|>Rain.<|return|>")],
+    )  # fmt: skip
+    trajectory = Trajectory(
+        id="harmony", key=RolloutKey(project=project, experiment="e", step=1), start=1.0,
+        end=1.5, status="ok", close_reason="done", calls=[call],
+    )  # fmt: skip
+    settings = dataclasses.replace(
+        Settings(), project=project, trackio_dir=trackio_dir, tool_parser="gpt_oss"
+    )
+    exporter = BACKENDS["trackio"](settings)
+    exporter.export([trajectory])
+    [trace] = traces(project, "e", step=1)
+    exporter.close()
+    assert trace["messages"] == [
+        {"role": "system", "content": "You are ChatGPT."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Rain."},
+    ]
