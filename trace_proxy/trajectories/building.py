@@ -31,6 +31,7 @@ from trace_proxy.trajectories.record import (
 )
 from trace_proxy.trajectories.rewards import Outcome
 from trace_proxy.trajectories.tools import chat_tool_spans
+from trace_proxy.trajectories.versions import newer
 
 IdsShared = tuple[GenerateCall, int, int]
 
@@ -48,6 +49,8 @@ class OpenTrajectory:
     dropped: int = 0  # calls forwarded whose bodies capture could not keep
     dropped_span: tuple[float, float] | None = None  # their earliest start and latest end
     units: int = 0  # exchanges' units it holds (calls, merged resumes, tool calls: ledger.py)
+    # The newest policy version its run had seen when it closed (`Assembler`'s, set at close).
+    weight_version_latest: str | None = None
     # Prompt ids are shared as calls arrive (see `share_ids`): the call that started last (the
     # last added of those that started together) and its full prompt ids, as the JSON text they
     # were decoded from when known (about a sixth of the memory of ints), else as a list; for
@@ -208,6 +211,7 @@ def build_trajectory(open_: OpenTrajectory, reason: str) -> Trajectory:
         weight_version_min=low,
         weight_version_max=high,
         partial_rollout=low != high,
+        weight_version_latest=newer(open_.weight_version_latest, high),
         annotations=open_.annotations + store_name_notes(open_.key),
         reward=reward,
         score=score,

@@ -237,6 +237,9 @@ class Trajectory:
     weight_version_min: str | None = None
     weight_version_max: str | None = None
     partial_rollout: bool = False
+    # The newest policy version the proxy had seen in its run (calls, weight updates) when
+    # the trajectory closed: how stale it already was (`versions.lag`).
+    weight_version_latest: str | None = None
     annotations: list[dict[str, Any]] = field(default_factory=list)
     reward: float | None = None
     score: float | None = None
