@@ -433,3 +433,18 @@ async def test_an_asynchronous_run_shows_how_stale_its_samples_were(
         assert float(first_x) + float(first_w) <= float(x) <= float(second_x)  # between them
     finally:
         await client.close()
+
+
+def test_a_sync_between_two_calls_is_marked_once_between_them() -> None:
+    """Turns on different versions: the sync lies between the turn before it and the one
+    after; turns on one version, or without one, mark nothing."""
+    calls = [call(n, f"turn {n}") for n in range(3)]
+    for made, version in zip(calls, ("3", "3", "4"), strict=True):
+        made["weight_version"] = version
+    view = views.trajectory_view(trajectory(calls=calls))
+    [sync] = view.syncs
+    assert (sync.before, sync.after) == ("3", "4")
+    earlier, later = view.spans[1], view.spans[2]
+    assert earlier.end is not None and earlier.end <= sync.at <= later.start
+    calls[2]["weight_version"] = None
+    assert views.trajectory_view(trajectory(calls=calls)).syncs == []
