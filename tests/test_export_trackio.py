@@ -26,6 +26,7 @@ from urllib.parse import quote
 import aiohttp
 import orjson
 import pytest
+import version_workload
 from fakes import FakeVLLM
 from groundtruth.clients import Sampling, read_vllm_generate, vllm_generate_body
 from groundtruth.tooling import (
@@ -712,3 +713,34 @@ def test_decoded_text_is_read_with_the_proxys_tool_parser(trackio_dir: Path, pro
         {"role": "user", "content": "Weather in Oslo?"},
         {"role": "assistant", "content": "Rain."},
     ]
+
+
+async def test_traces_carry_policy_versions_and_lag(
+    qwen_tokenizer: Any, tmp_path: Path, project: str, trackio_dir: Path
+) -> None:
+    """A partial rollout resumed across a weight sync and a rollout on one version, closed one
+    sync later (tests/version_workload.py): each trace's metadata says the sample id, the
+    oldest, newest and newest-seen versions, their spread, the lag and the partial flag, and
+    each generation span its version and lag, as the other backends say them."""
+    async with version_workload.upstream(qwen_tokenizer) as upstream:
+        async with running(upstream, tmp_path / "out", project, trackio_dir) as (_, proxy):
+            async with aiohttp.ClientSession() as session:
+                await version_workload.partial_rollouts(session, proxy, qwen_tokenizer)
+    records = version_workload.by_sample(trajectories(tmp_path / "out"))
+    found = {t["metadata"]["sample_index"]: t for t in traces(project, version_workload.EXPERIMENT)}
+    assert sorted(found) == sorted(records) == [0, 1]
+    for sample, trace in found.items():
+        low, high, latest, partial, sample_id = version_workload.EXPECTED[sample]
+        meta = trace["metadata"]
+        assert {name: meta[name] for name in (
+            "sample_id", "weight_version_min", "weight_version_max", "weight_version_latest",
+            "partial_rollout", "version_spread", "version_lag")} == {
+            "sample_id": sample_id, "weight_version_min": low, "weight_version_max": high,
+            "weight_version_latest": latest, "partial_rollout": partial,
+            "version_spread": int(high) - int(low), "version_lag": 1,
+        }  # fmt: skip
+        [generation] = [s for s in trace["spans"] if s["kind"] == "generation"]
+        meta = generation["metadata"]
+        assert (meta["weight_version"], meta["version_lag"]) == ("4", 1)
+    [resumed] = [s for s in found[0]["spans"] if s["kind"] == "generation"]
+    assert [s["weight_version"] for s in resumed["metadata"]["segments"]] == ["3", "4"]

@@ -49,6 +49,7 @@ from trace_proxy.trajectories.record import (
     restart_mark,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
+from trace_proxy.trajectories.versions import newer
 
 # The first prompts remembered per sample, for its other rollouts (see `latest_prompt`): the
 # latest samples' (a group's rollouts start close together), at most so many and so large.
@@ -106,6 +107,10 @@ class Assembler:
         self._first_prompts_bytes = 0
         self._restart_since: float | None = None  # see `follow_restart`
         self._restart_marks_until = 0.0
+        # The newest policy version seen per run (project, experiment), in calls and events;
+        # under None, the server's: an event that names no run (a trainer's weight update
+        # through the proxy, without run headers) is a version of every run it serves.
+        self._latest_version: dict[tuple[str, str] | None, str] = {}
 
     def follow_restart(self, since: float) -> None:
         """This process replaces a capture process of the same proxy (started at `since`, wall
@@ -145,7 +150,17 @@ class Assembler:
         else:
             action()
 
+    def _see_version(self, run: tuple[str, str] | None, version: str | None) -> None:
+        if version is None:
+            return
+        latest = self._latest_version
+        seen = latest.get(run, latest.get(None))  # a run new to the proxy: the server's so far
+        latest[run] = newer(seen, version) or version
+
     def _finish_later(self, trajectory: OpenTrajectory, reason: str) -> None:
+        run = (trajectory.key.project, trajectory.key.experiment)
+        latest = self._latest_version
+        trajectory.weight_version_latest = latest.get(run, latest.get(None))
         if self._defer:
             self._closing[trajectory.id] = trajectory
         self._later(partial(self._finish, trajectory, reason))
@@ -179,6 +194,7 @@ class Assembler:
         """`admitted`: the sampler already let this call in (see `admit_early`). `ids_text`:
         the JSON text the call's prompt ids were decoded from (see `decode_request`)."""
         key, hints.key = hints.key or self._key(hints), None
+        self._see_version((key.project, key.experiment), call.weight_version)
         if self._inference is not None:
             if self._identity(key) is None:
                 self._inference.place(key, call)
@@ -377,6 +393,10 @@ class Assembler:
         return self._gate.annotate(outcome, project, target.get("experiment", self._experiment))
 
     def add_event(self, event: StepEvent) -> None:
+        run = (event.project, event.experiment)
+        named = run != (self._project, self._experiment)  # else no run header: the server's
+        for each in [run] if named else [*self._latest_version, None]:
+            self._see_version(each, event.weight_version)
         if event.event in WEIGHT_UPDATE_EVENTS and self._inference is not None:
             self._inference.weight_update(event.project, event.experiment)
         self._ledger.hold(event, 1)
@@ -418,6 +438,7 @@ class Assembler:
             rollout_n=v.get("rollout_n"),
             validate=v.get("validate"),
             trajectory_id=v.get("trajectory_id"),
+            sample_id=v.get("sample_id"),
             sources=sources,
         )
 

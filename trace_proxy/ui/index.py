@@ -40,6 +40,7 @@ from trace_proxy.store.readers import (
 )
 from trace_proxy.store.replicas import merged_summary, store_roots
 from trace_proxy.store.restarts import continues, identity, restart_since
+from trace_proxy.trajectories import versions
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index
@@ -81,6 +82,12 @@ class Entry:
     trajectory_id: str | None = None  # the key's, when the client gave one
     prompt_hash: str | None = None  # `prompt_hash` of its first call: the same sample at any step
     restart_since: float | None = None  # marked by a restarted capture process (restarts.py)
+    # Asynchronous RL (`trajectories/versions.py`): versions its generation spans past the
+    # first (max - min), versions behind the newest at close (latest - max), both None when
+    # not integers; generated across a weight sync.
+    version_spread: int | None = None
+    version_lag: int | None = None
+    partial: bool = False
     # Records of the same trajectory that other replicas wrote (its calls reached several
     # proxies): shown as one with this entry (`replicas.joined`), counted once.
     others: tuple[Entry, ...] = ()
@@ -475,6 +482,9 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         trajectory_id=_str_or_none(key.get("trajectory_id")),
         prompt_hash=prompt_hash(calls[0]) if calls else None,
         restart_since=restart_since(record),
+        version_spread=versions.spread(record),
+        version_lag=versions.lag(record),
+        partial=record.get("partial_rollout") is True,
     )
 
 
@@ -563,6 +573,10 @@ def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
     run.drift += first.drift > 0
     if other.end >= first.end:
         first.close_reason = other.close_reason
+    first.partial = first.partial or other.partial
+    for name in ("version_spread", "version_lag"):  # the larger of the parts' known values
+        known = [v for v in (getattr(first, name), getattr(other, name)) if v is not None]
+        setattr(first, name, max(known, default=None))
     first.start, first.end = min(first.start, other.start), max(first.end, other.end)
     if first.status == "ok":
         first.status = other.status

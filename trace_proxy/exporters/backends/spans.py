@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from trace_proxy.trajectories import versions
 from trace_proxy.trajectories.prompts import (
     expand_prompts,
     prompt_texts,
@@ -57,8 +58,32 @@ class Root:
     summary: Any
     transcript: str | None  # the whole decoded conversation: stored, else from the pieces
     transcript_stored: bool  # stored because the decoded pieces do not spell it out
+    # Asynchronous RL: which policy versions generated it and how stale it was at close.
+    weight_version_min: str | None = None
+    weight_version_max: str | None = None
+    weight_version_latest: str | None = None
+    partial_rollout: bool = False
+    version_spread: int | None = None  # `versions.spread`
+    version_lag: int | None = None  # `versions.lag`
     id: str = ROOT
     parent: str | None = None
+
+    def policy_fields(self) -> JSON:
+        """What every backend's trajectory metadata says of its policy versions, named as
+        the record names them (`version_spread`, `version_lag`: `trajectories/versions.py`)."""
+        return {
+            "sample_id": self.key.get("sample_id"),
+            "weight_version_min": self.weight_version_min,
+            "weight_version_max": self.weight_version_max,
+            "weight_version_latest": self.weight_version_latest,
+            "partial_rollout": self.partial_rollout,
+            "version_spread": self.version_spread,
+            "version_lag": self.version_lag,
+        }
+
+    def lag_of(self, call: Generation) -> int | None:
+        """How many versions behind the newest at close the weights of `call` were."""
+        return versions.distance(call.weight_version, self.weight_version_latest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +191,12 @@ def trajectory_spans(record: Trajectory | JSON) -> TrajectorySpans:
         summary=data.get("summary"),
         transcript=transcript_of(data),
         transcript_stored=data.get("transcript") is not None,
+        weight_version_min=data.get("weight_version_min"),
+        weight_version_max=data.get("weight_version_max"),
+        weight_version_latest=data.get("weight_version_latest"),
+        partial_rollout=bool(data.get("partial_rollout")),
+        version_spread=versions.spread(data),
+        version_lag=versions.lag(data),
     )
     generations = tuple(
         _generation(position, *parts)

@@ -409,12 +409,12 @@ def spans_of(view: TrajectorySpans) -> list[JSON]:
             "annotations": root.annotations,
         },
     }]  # fmt: skip
-    spans.extend(_generation_span(root_id, call) for call in view.calls)
+    spans.extend(_generation_span(root_id, call, view.root.lag_of(call)) for call in view.calls)
     spans.extend(_tool_span(root_id, tool) for tool in view.tools)
     return spans
 
 
-def _generation_span(root_id: str, call: Generation) -> JSON:
+def _generation_span(root_id: str, call: Generation, lag: int | None) -> JSON:
     dialect = str(call.dialect)
     rendered = [_generation_output(o) for o in call.outputs]
     return {
@@ -439,6 +439,7 @@ def _generation_span(root_id: str, call: Generation) -> JSON:
             "stream": call.stream,
             "ttft_ms": duration_ms(call.start, call.first_byte),
             "weight_version": call.weight_version,
+            "version_lag": lag,
             "sampling": call.sampling,
             "unparsed": call.unparsed,
             "segments": call.segments,
@@ -530,6 +531,7 @@ def trajectory_metadata(view: TrajectorySpans) -> JSON:
         "status": "error" if root.status == "error" else "success",
         "close_reason": root.close_reason,
         "weight_versions": root.weight_versions,
+        **root.policy_fields(),
         "model": next((c.model for c in reversed(calls) if c.model), None),
         "num_turns": summary.get("calls", len(calls)),
         "num_tool_calls": summary.get("tool_calls"),
