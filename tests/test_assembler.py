@@ -600,3 +600,71 @@ async def test_parsing_waits_for_exchanges_to_gather_but_never_holds_up_a_waiter
     stage.submit(exchange(4))
     await asyncio.wait_for(stage.stop(), 10)
     assert stage.is_caught_up
+
+
+async def test_a_call_resumed_across_a_weight_sync_keeps_each_attempt_with_its_version() -> None:
+    """verl's partial rollout, as its plugin sends it: an attempt aborted at a sync on version
+    3, re-sent with the tokens it had, finished on version 4. One call, its attempts in order
+    with the version each ran on (from X-Rollout-Weight-Version: vLLM's /v1/completions
+    reports none), the tokens each carried over and generated and why each stopped; the
+    trajectory's sample id, oldest and newest version, and the partial-rollout flag."""
+    assembler, out = make()
+    stage = inline_stage(assembler, Metrics())
+    prompt = [5, 6, 7, 8]
+    attempts = ((prompt, [9, 10, 11], "abort", "3"), ([*prompt, 9, 10, 11], [12], "stop", "4"))
+    for start, (ids, generated, finish, version) in enumerate(attempts):
+        request = orjson.dumps({"prompt": ids, "max_tokens": 8, "return_token_ids": True})
+        response = orjson.dumps(
+            {
+                "id": f"cmpl-{start}",
+                "choices": [
+                    {"index": 0, "text": "", "token_ids": generated, "finish_reason": finish}
+                ],
+            }
+        )
+        headers = {"X-Rollout-Step": "2", "X-Rollout-Sample-Index": "7", "X-Rollout-N": "0",
+                   "X-Rollout-Trajectory-Id": "t1", "X-Rollout-Sample-Id": "uid-7",
+                   "X-Rollout-Weight-Version": version}  # fmt: skip
+        stage.submit(Exchange(
+            method="POST", path="/v1/completions", query="",
+            request_headers=CIMultiDictProxy(CIMultiDict(headers)), path_metadata=[],
+            upstream="u", start=float(start), end=start + 0.5, status=200, request_body=request,
+            response_chunks=[response],
+        ))  # fmt: skip
+    stage.start()
+    await stage.drain()
+    await stage.stop()
+    assembler.close_all()
+    [built] = [r for r in out if isinstance(r, Trajectory)]
+    [merged] = built.calls
+    assert merged.outputs[0].token_ids == [9, 10, 11, 12]
+    assert merged.weight_version == "4"
+    assert [(s["weight_version"], s["carried_tokens"], s["tokens"], s["finish_reason"],
+             s["request_id"]) for s in merged.segments or []] == [
+        ("3", 0, 3, "abort", "cmpl-0"), ("4", 3, 1, "stop", "cmpl-1")]  # fmt: skip
+    assert built.key.sample_id == "uid-7"
+    assert built.key.sources["sample_id"] == "header:X-Rollout-Sample-Id"
+    assert (built.weight_version_min, built.weight_version_max) == ("3", "4")
+    assert built.partial_rollout is True
+    assert built.weight_versions == ["4"]
+
+
+def test_versions_compare_as_numbers_and_a_trajectory_on_one_version_is_not_partial() -> None:
+    assembler, out = make()
+    key = hints(step=1, sample_index=0, rollout_n=0)
+    for start, version in enumerate(("9", "10", "10")):
+        made = call(float(start), [start, 1, 2], [3])
+        made.weight_version = version
+        assembler.add_call(key, made)
+    assembler.close_all()
+    [built] = [r for r in out if isinstance(r, Trajectory)]
+    assert (built.weight_version_min, built.weight_version_max, built.partial_rollout) == (
+        "9", "10", True)  # fmt: skip
+    assembler, out = make()
+    made = call(0.0, [1, 2], [3])
+    made.weight_version = "v2"
+    assembler.add_call(key, made)
+    assembler.close_all()
+    [built] = [r for r in out if isinstance(r, Trajectory)]
+    assert (built.weight_version_min, built.weight_version_max, built.partial_rollout) == (
+        "v2", "v2", False)  # fmt: skip

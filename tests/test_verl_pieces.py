@@ -17,6 +17,7 @@ import pytest
 from fakes.vllm import FakeVLLM
 from proxy_helpers import running_proxy, trajectories
 
+from trace_proxy.integrations.verl.admission import Admission
 from trace_proxy.integrations.verl.link import ProxyLink, ProxyUnreachable, TrajectoryTags
 from trace_proxy.integrations.verl.mapping import (
     ServerLimits,
@@ -146,7 +147,8 @@ def test_bad_plugin_settings_are_clear_errors() -> None:
 
 def _tags(trajectory_id: str, n: int = 0) -> TrajectoryTags:
     return TrajectoryTags(project="proj", experiment="exp", step=4, sample_index=2, rollout_n=n,
-                          validate=False, trajectory_id=trajectory_id)  # fmt: skip
+                          validate=False, trajectory_id=trajectory_id,
+                          sample_id="uid-2")  # fmt: skip
 
 
 def test_the_link_travels_without_its_session_and_never_shows_its_token() -> None:
@@ -168,7 +170,14 @@ async def test_generate_through_the_proxy_is_tagged_and_closed(
         link = ProxyLink(proxy_url, admin, TOKEN, LIMITS)
         prompt = qwen_tokenizer.encode("Say hi")
         calls = [
-            link.generate(server_id, _tags(f"t{n}", n), prompt, dict(SAMPLING), request_id=f"r{n}")
+            link.generate(
+                server_id,
+                _tags(f"t{n}", n),
+                prompt,
+                dict(SAMPLING),
+                request_id=f"r{n}",
+                weight_version=7 + n,
+            )
             for n in range(2)
         ]
         results = await asyncio.gather(*calls)
@@ -195,6 +204,9 @@ async def test_generate_through_the_proxy_is_tagged_and_closed(
     assert first["close_reason"] == "done" and first["reward"] == 0.25
     assert first["calls"][0]["upstream"] == upstream
     assert first["calls"][0]["outputs"][0]["token_ids"] == results[0].token_ids
+    # The version verl's server would return with each call, and verl's uid of the sample.
+    assert [by_n[n]["calls"][0]["weight_version"] for n in (0, 1)] == ["7", "8"]
+    assert [by_n[n]["key"]["sample_id"] for n in (0, 1)] == ["uid-2", "uid-2"]
     assert by_n[1]["close_reason"] == "shutdown"  # never told done: closed when the proxy stops
 
 
@@ -310,3 +322,37 @@ async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed
         [record] = trajectories(tmp_path / output)
         assert record["close_reason"] == "done" and record["reward"] == 1.0
         assert record["calls"][0]["upstream"] == f"http://{server}"
+
+
+class _GatedServer:
+    """verl 0.9.1's server actor state the plugin reads (`vllm_async_server.py`): the gate,
+    whether it rejects late arrivals, `global_steps`; `syncs` plays a weight sync after the
+    gate has been read closed that many times (the trainer's `set_global_steps` and resume)."""
+
+    def __init__(self, closed: bool, rejecting: bool = False, syncs: int = 0) -> None:
+        self._submission_paused, self._rejecting, self.global_steps = closed, rejecting, 3
+        self.syncs, self.reads = syncs, 0
+
+    async def call(self, fn: Any) -> Any:  # what `__ray_call__.remote(fn)` runs in the actor
+        found = fn(self)
+        self.reads += 1
+        if self._submission_paused and self.reads == self.syncs:
+            self.global_steps, self._submission_paused = 4, False
+        return found
+
+    @property
+    def __ray_call__(self) -> Any:
+        return type("Method", (), {"remote": staticmethod(self.call)})
+
+
+async def test_a_call_is_admitted_with_the_version_in_force_once_the_gate_opens() -> None:
+    """The version verl's server would return: read with its gate open; while a sync holds
+    the gate closed the call waits for it, as verl's `generate` does, and gets the version the
+    sync set; a gate that rejects late arrivals gives verl's `aborted` answer at once."""
+    from trace_proxy.integrations.verl.admission import admit
+
+    assert await admit(_GatedServer(closed=False)) == Admission(3, rejected=False)
+    server = _GatedServer(closed=True, syncs=2)
+    assert await admit(server) == Admission(4, rejected=False)
+    assert server.reads == 3  # closed, closed (then the sync), open
+    assert await admit(_GatedServer(closed=True, rejecting=True)) == Admission(3, rejected=True)

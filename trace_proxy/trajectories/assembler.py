@@ -418,6 +418,7 @@ class Assembler:
             rollout_n=v.get("rollout_n"),
             validate=v.get("validate"),
             trajectory_id=v.get("trajectory_id"),
+            sample_id=v.get("sample_id"),
             sources=sources,
         )
 

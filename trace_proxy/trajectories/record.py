@@ -31,6 +31,7 @@ class RolloutKey:
     validate: bool | None = None
     trajectory_id: str | None = None
     sample_hash: str | None = None  # inferred groups: hash of the first prompt
+    sample_id: str | None = None  # the client's own id of the sample (verl's `uid`)
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -231,6 +232,11 @@ class Trajectory:
     transcript: str | None = None  # token2text: the last call's full prompt and response
     upstreams: list[str] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
+    # The oldest and newest policy version of any attempt of any call (see `version_span`),
+    # and whether they differ: a rollout generated across a weight sync (verl's partial rollout).
+    weight_version_min: str | None = None
+    weight_version_max: str | None = None
+    partial_rollout: bool = False
     annotations: list[dict[str, Any]] = field(default_factory=list)
     reward: float | None = None
     score: float | None = None

@@ -12,6 +12,7 @@ from trace_proxy import safejson
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.redact import recorded_headers
 from trace_proxy.capture.sse import iter_data
+from trace_proxy.trajectories.keys import WEIGHT_VERSION_HEADER
 from trace_proxy.trajectories.record import (
     CallError,
     GenerateCall,
@@ -399,6 +400,19 @@ def weight_version_of(choice: Mapping[str, Any]) -> str | None:
     if isinstance(versions, (str, int)) and not isinstance(versions, bool):
         return str(versions)
     return None
+
+
+MAX_VERSION_LEN = 256
+
+
+def weight_version_header(headers: Mapping[str, str]) -> str | None:
+    """The policy version the client says produced this call (a trainer that knows it, as
+    the verl plugin does: vLLM's `/v1/completions` reports none); None when absent or not a
+    short printable value."""
+    value = headers.get(WEIGHT_VERSION_HEADER)
+    if not value or len(value) > MAX_VERSION_LEN or not value.isprintable():
+        return None
+    return safejson.clean_text(value)
 
 
 def as_int_list(value: Any) -> list[int] | None:

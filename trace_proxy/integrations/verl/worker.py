@@ -57,6 +57,7 @@ class TracedWorkerMixin:
             rollout_n=int(rollout_n),
             validate=bool(trajectory["validate"]),
             trajectory_id=uuid.uuid4().hex,
+            sample_id=None if kwargs.get("uid") is None else str(kwargs["uid"]),
         )
         run = RunState(tags)
         token = CURRENT_RUN.set(run)
