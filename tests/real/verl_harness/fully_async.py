@@ -15,7 +15,7 @@ sends its end. verl's server actors are the stand-ins of cpu_replica.py / server
 of the real vLLM CPU server. trace-proxy is made visible to verl as `pip install` makes it:
 a distribution's metadata with the `verl.plugins` entry point pyproject.toml declares.
 
-Writes WORK_DIR/fully-async.json: each sample the trainer got (uid, index, the versions verl
+Writes WORK_DIR/fully-async.json: each rollout the trainer got (uid, index, the versions verl
 recorded for it, the version it was trained after) and what `FullyAsyncAgentLoopManager.create`
 returns in this process without the override; the proxy writes its store to WORK_DIR/traces.
 """
@@ -131,10 +131,15 @@ def dataset_index(uid: str) -> int:
 
 
 def sync_weights(servers: list[Any], rollouter: Any, version: int) -> None:
-    """The trainer's `_fit_update_weights`, as the rollouter and its servers see it."""
+    """The trainer's `_fit_update_weights`, as the rollouter and its servers see it
+    (`CheckpointEngineManager.update_weights`): every generation in flight aborted and the
+    gate closed, the new version set, generation resumed; then the rollouter's
+    `reset_staleness`. verl's client resumes the aborted ones (partial rollout)."""
     import ray
 
+    ray.get([server.abort_all_requests.remote() for server in servers])
     ray.get([server.set_global_steps.remote(version) for server in servers])
+    ray.get([server.resume_generation.remote() for server in servers])
     ray.get(rollouter.reset_staleness.remote())
 
 
@@ -181,23 +186,52 @@ def train(config: Any, tokenizer: Any) -> dict[str, Any]:
     return {"samples": samples, "versions": version}
 
 
-def untouched(config: Any) -> dict[str, Any]:
-    """What the rollouter's name builds without the override: verl's own manager and client."""
-    import ray
-    from verl.experimental.fully_async_policy import fully_async_rollouter as module
+def _client(config: Any) -> tuple[Any, Any]:
+    """verl's fully async client over a stand-in server and verl's load balancer."""
+    from omegaconf import OmegaConf
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
     from verl.workers.rollout.router import get_router_handle
     from verl_harness.server import CpuVllmServer
 
     url = os.environ["TRACE_PROXY_TEST_VLLM_URL"]
-    rollout = config.actor_rollout_ref.rollout
-    from omegaconf import OmegaConf
-
-    server = CpuVllmServer.remote(url, OmegaConf.to_container(rollout, resolve=True))
+    rollout = OmegaConf.to_container(config.actor_rollout_ref.rollout, resolve=True)
+    server = CpuVllmServer.remote(url, rollout)
     balancer = get_router_handle(servers={url.removeprefix("http://"): server},
                                  router_config_path=None, full_determinism=False,
                                  load_balancer_cls=None)  # fmt: skip
-    llm_client = FullyAsyncLLMServerClient(config=config, load_balancer_handle=balancer)
+    return FullyAsyncLLMServerClient(config=config, load_balancer_handle=balancer), server
+
+
+def honoured_key(config: Any) -> list[str]:
+    """A verl whose rollouter honours `agent_loop_manager_class` (verl PR #6565) would await
+    `load_class_from_fqn(key).create(...)` in its coroutine: the classes of what it gets."""
+    import asyncio
+
+    import ray
+    from verl.utils.import_utils import load_class_from_fqn
+
+    llm_client, server = _client(config)
+    fqn = config.actor_rollout_ref.rollout.agent.agent_loop_manager_class
+
+    async def init_async_rollout_manager() -> Any:
+        return await load_class_from_fqn(fqn, "AgentLoopManager").create(
+            config=config, llm_client=llm_client, reward_loop_worker_handles=None,
+            teacher_client=None)  # fmt: skip
+
+    manager = asyncio.run(init_async_rollout_manager())
+    classes = [f"{c.__module__}.{c.__qualname__}" for c in type(manager).__mro__]
+    manager._trace_proxy.stop()
+    ray.kill(server)
+    return classes
+
+
+def untouched(config: Any) -> dict[str, Any]:
+    """What the rollouter's name builds without the override: verl's own manager and client."""
+    import ray
+    from verl.experimental.fully_async_policy import fully_async_rollouter as module
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    llm_client, server = _client(config)
     manager = module.FullyAsyncAgentLoopManager.create(config=config, llm_client=llm_client)
     stand_in = module.FullyAsyncAgentLoopManager
     verl_class = stand_in.__dict__.get("_trace_proxy_verl_class")
@@ -233,6 +267,7 @@ def main() -> int:
     tokenizer = hf_tokenizer(model_dir)
     results = train(compose_config(model_dir, work, data, plugin=True), tokenizer)
     results["untouched"] = untouched(compose_config(model_dir, work, data, plugin=False))
+    results["honoured_key"] = honoured_key(compose_config(model_dir, work, data, plugin=True))
     (work / "fully-async.json").write_text(json.dumps(results))
     ray.shutdown()
     return 0
