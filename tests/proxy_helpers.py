@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -20,8 +21,39 @@ from trace_proxy.exporters.pipeline import ExportPipeline
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolWriter
 from trace_proxy.metrics import ExportMetrics, Metrics, exposition
+from trace_proxy.processes import recorder as recorder_module
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.readers import iter_records
+
+HOLD_GUARD = 60.0  # seconds: a failure bound, not a synchronisation
+
+
+class HeldLoader:
+    """`load_configured` (the `--tokenizer` loading of a proxy in this process), held until
+    `release`: the tokenizer is surely loading meanwhile. Patch it in with
+    `monkeypatch.setattr(recorder_module, "load_configured", HeldLoader())`."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.real = recorder_module.load_configured
+
+    def __call__(self, sources: list[str], skip_special_tokens: bool) -> Any:
+        if not self.released.wait(HOLD_GUARD):
+            raise AssertionError("the test never let the tokenizer load")
+        return self.real(sources, skip_special_tokens)
+
+
+def release_as_stop_begins(service: ProxyService, loader: HeldLoader) -> None:
+    """The tokenizer finishes loading only once the proxy (its recorder in this process) is
+    stopping: a client whose whole run fitted in the first seconds after the start, then the
+    end of the training script."""
+    stop = service.recorder.stop
+
+    async def stop_then_load(*args: Any, **kwargs: Any) -> None:
+        loader.released.set()
+        await stop(*args, **kwargs)
+
+    service.recorder.stop = stop_then_load  # type: ignore[method-assign]
 
 
 @contextlib.asynccontextmanager

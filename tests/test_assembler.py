@@ -21,6 +21,7 @@ from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.stage import CaptureStage
 from trace_proxy.metrics import Metrics
 from trace_proxy.trajectories import assembler as assembler_module
+from trace_proxy.trajectories import versions
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.keys import KeyHints, parse_mapping
@@ -35,6 +36,7 @@ from trace_proxy.trajectories.record import (
     Output,
     Prompt,
     Record,
+    StepEvent,
     StepSummary,
     Trajectory,
     dumps,
@@ -600,3 +602,110 @@ async def test_parsing_waits_for_exchanges_to_gather_but_never_holds_up_a_waiter
     stage.submit(exchange(4))
     await asyncio.wait_for(stage.stop(), 10)
     assert stage.is_caught_up
+
+
+async def test_a_call_resumed_across_a_weight_sync_keeps_each_attempt_with_its_version() -> None:
+    """verl's partial rollout, as its plugin sends it: an attempt aborted at a sync on version
+    3, re-sent with the tokens it had, finished on version 4. One call, its attempts in order
+    with the version each ran on (from X-Rollout-Weight-Version: vLLM's /v1/completions
+    reports none), the tokens each carried over and generated and why each stopped; the
+    trajectory's sample id, oldest and newest version, and the partial-rollout flag."""
+    assembler, out = make()
+    stage = inline_stage(assembler, Metrics())
+    prompt = [5, 6, 7, 8]
+    attempts = ((prompt, [9, 10, 11], "abort", "3"), ([*prompt, 9, 10, 11], [12], "stop", "4"))
+    for start, (ids, generated, finish, version) in enumerate(attempts):
+        request = orjson.dumps({"prompt": ids, "max_tokens": 8, "return_token_ids": True})
+        response = orjson.dumps(
+            {
+                "id": f"cmpl-{start}",
+                "choices": [
+                    {"index": 0, "text": "", "token_ids": generated, "finish_reason": finish}
+                ],
+            }
+        )
+        headers = {"X-Rollout-Step": "2", "X-Rollout-Sample-Index": "7", "X-Rollout-N": "0",
+                   "X-Rollout-Trajectory-Id": "t1", "X-Rollout-Sample-Id": "uid-7",
+                   "X-Rollout-Weight-Version": version}  # fmt: skip
+        stage.submit(Exchange(
+            method="POST", path="/v1/completions", query="",
+            request_headers=CIMultiDictProxy(CIMultiDict(headers)), path_metadata=[],
+            upstream="u", start=float(start), end=start + 0.5, status=200, request_body=request,
+            response_chunks=[response],
+        ))  # fmt: skip
+    stage.start()
+    await stage.drain()
+    await stage.stop()
+    assembler.close_all()
+    [built] = [r for r in out if isinstance(r, Trajectory)]
+    [merged] = built.calls
+    assert merged.outputs[0].token_ids == [9, 10, 11, 12]
+    assert merged.weight_version == "4"
+    assert [(s["weight_version"], s["carried_tokens"], s["tokens"], s["finish_reason"],
+             s["request_id"]) for s in merged.segments or []] == [
+        ("3", 0, 3, "abort", "cmpl-0"), ("4", 3, 1, "stop", "cmpl-1")]  # fmt: skip
+    assert built.key.sample_id == "uid-7"
+    assert built.key.sources["sample_id"] == "header:X-Rollout-Sample-Id"
+    assert (built.weight_version_min, built.weight_version_max) == ("3", "4")
+    assert built.partial_rollout is True
+    assert built.weight_versions == ["4"]
+
+
+def test_versions_compare_as_numbers_and_a_trajectory_on_one_version_is_not_partial() -> None:
+    assembler, out = make()
+    key = hints(step=1, sample_index=0, rollout_n=0)
+    for start, version in enumerate(("9", "10", "10")):
+        made = call(float(start), [start, 1, 2], [3])
+        made.weight_version = version
+        assembler.add_call(key, made)
+    assembler.close_all()
+    [built] = [r for r in out if isinstance(r, Trajectory)]
+    assert (built.weight_version_min, built.weight_version_max, built.partial_rollout) == (
+        "9", "10", True)  # fmt: skip
+    assembler, out = make()
+    made = call(0.0, [1, 2], [3])
+    made.weight_version = "v2"
+    assembler.add_call(key, made)
+    assembler.close_all()
+    [built] = [r for r in out if isinstance(r, Trajectory)]
+    assert (built.weight_version_min, built.weight_version_max, built.partial_rollout) == (
+        "v2", "v2", False)  # fmt: skip
+
+
+def test_a_trajectory_keeps_the_newest_version_its_run_had_seen_when_it_closed() -> None:
+    """How stale a rollout already was when it closed: the newest version seen in any call or
+    weight update of its run by then (later ones not counted), by value for integers; an
+    update naming no run (the proxy's own run, as a trainer without run headers sends it) is
+    the server's, counted for every run, while one naming another run stays there."""
+    assembler, out = make()
+    old, fresh = hints(step=1, sample_index=0, rollout_n=0), hints(step=1, sample_index=1,
+                                                                   rollout_n=0)  # fmt: skip
+    for start, (key, version) in enumerate(((old, "9"), (fresh, "10"), (fresh, "11"))):
+        made = call(float(start), [start, 1, 2], [3])
+        made.weight_version = version
+        assembler.add_call(key, made)
+    assembler.add_event(StepEvent("weight_update", "/update_weights", "u", 3.0, "p", "e",
+                                  weight_version="12"))  # fmt: skip
+    assembler.add_event(StepEvent("weight_update", "/update_weights", "u", 3.0, "p", "other",
+                                  weight_version="40"))  # fmt: skip
+    assembler.add_call(old, call(4.0, [0, 1, 2, 3], [4]))  # a call that reports no version
+    assembler.end(old)
+    later = call(5.0, [9, 9], [1])
+    later.weight_version = "13"
+    assembler.add_call(hints(step=1, sample_index=2, rollout_n=0), later)
+    assembler.close_all()
+    built = {t.key.sample_index: t for t in out if isinstance(t, Trajectory)}
+    assert (built[0].weight_version_max, built[0].weight_version_latest) == ("9", "12")
+    assert (built[1].weight_version_max, built[1].weight_version_latest) == ("11", "13")
+    assert orjson.loads(dumps(built[0]))["weight_version_latest"] == "12"
+    assert versions.lag(orjson.loads(dumps(built[0]))) == 3
+    assert versions.spread(orjson.loads(dumps(built[1]))) == 1
+
+
+def test_versions_that_are_not_numbers_are_newer_as_they_come() -> None:
+    assert versions.newer("v9", "v10") == "v10"
+    assert versions.newer("10", "9") == "10"
+    assert versions.newer(None, "v1") == "v1"
+    assert versions.distance("v1", "v2") is None
+    assert versions.distance("v1", "v1") == 0
+    assert versions.distance("3", "5") == 2

@@ -23,7 +23,10 @@ import pytest
 pytest.importorskip("pyarrow")
 datasets = pytest.importorskip("datasets")
 
+import aiohttp  # noqa: E402
+import version_workload  # noqa: E402
 from dataset_workload import Sent, make_store  # noqa: E402
+from proxy_helpers import running_proxy, trajectories  # noqa: E402
 
 from trace_proxy.dataset.build import write_dataset  # noqa: E402
 from trace_proxy.dataset.reading import (  # noqa: E402
@@ -352,3 +355,32 @@ def test_no_store_and_a_missing_extra_are_named(tmp_path: Path) -> None:
                              timeout=60)  # fmt: skip
     assert blocked.returncode == 2
     assert "pip install 'trace-proxy[dataset]'" in blocked.stderr
+
+
+async def test_rl_rows_carry_each_calls_versions_and_how_stale_it_was(
+    tmp_path: Path, qwen_tokenizer: Any
+) -> None:
+    """A partial rollout resumed across a weight sync and a rollout on one version, closed
+    after the next sync (tests/version_workload.py): each row says the version of its call
+    and of each attempt, how many versions behind the newest at close it was, and its
+    trajectory's sample id, oldest, newest and newest-seen versions and partial flag."""
+    output = tmp_path / "traces"
+    async with version_workload.upstream(qwen_tokenizer) as url:
+        async with running_proxy([url], output) as (_, proxy):
+            async with aiohttp.ClientSession() as session:
+                carried = await version_workload.partial_rollouts(session, proxy, qwen_tokenizer)
+    version_workload.by_sample(trajectories(output))
+    rows = {r["sample_index"]: r for r in export(output, tmp_path / "rl", "rl")}
+    assert sorted(rows) == [0, 1]
+    resumed, whole = rows[0], rows[1]
+    assert resumed["response_ids"][: len(carried)] == carried  # both attempts, one row
+    assert (resumed["weight_version"], resumed["weight_versions"], resumed["version_lag"]) == (
+        "4", ["3", "4"], 1)  # fmt: skip
+    assert (whole["weight_version"], whole["weight_versions"], whole["version_lag"]) == (
+        "4", ["4"], 1)  # fmt: skip
+    for row, (low, high, latest, partial, sample_id) in (
+        (resumed, version_workload.EXPECTED[0]), (whole, version_workload.EXPECTED[1])
+    ):  # fmt: skip
+        assert (row["weight_version_min"], row["weight_version_max"],
+                row["weight_version_latest"], row["partial_rollout"], row["sample_id"]) == (
+            low, high, latest, partial, sample_id)  # fmt: skip

@@ -200,6 +200,41 @@ async def test_sglang_rid_mapping_groups_turns_into_one_trajectory(
     assert recorded[0]["key"]["sources"]["trajectory_id"] == f"map:{rule}"
 
 
+async def test_sglang_refusals_and_its_crash_are_recorded_as_the_server_gave_them(
+    qwen_tokenizer: Any, start_fake: StartFake, tmp_path: Path
+) -> None:
+    """What SGLang refuses after a stream began is a failed call with its message, not a
+    trainer's abort, even when the request could not be parsed; `"text": []` says it held no
+    prompt; the crash an empty prompt causes reaches the client as the proxy's 502 and the
+    call as a transport error."""
+    fake = FakeSGLang(qwen_tokenizer, deterministic=True, context_length=64)
+    upstream = await start_fake(fake)
+    refused = {"input_ids": list(range(1, 59)), "stream": True, "rid": "near-full"}
+    async with running_proxy([upstream], tmp_path) as (_, proxy):
+        await same_bytes(upstream, proxy, "/generate", refused, KEY)
+        await same_bytes(upstream, proxy, "/generate", {"text": []}, KEY)
+        await same_bytes(upstream, proxy, "/generate", {"input_ids": [], "stream": True}, KEY)
+        async with aiohttp.ClientSession() as session:
+            body = {"input_ids": [[]]}
+            async with session.post(proxy + "/generate", json=body, headers=KEY) as response:
+                assert response.status == 502
+                assert (await response.json())["error"]["type"] == "upstream_reset"
+    assert fake.crashed
+    near_full, empty_batch, no_ids, crashed = all_calls(tmp_path)
+    assert near_full["outputs"][0]["finish_reason"] == "abort"
+    assert near_full["error"] == {
+        "type": "BadRequestError",
+        "message": "Input length (58 tokens) exceeds the maximum allowed length (58 tokens). "
+        "Use a shorter input or enable --allow-auto-truncate.",
+    }
+    assert empty_batch["http_status"] == 200 and empty_batch["outputs"] == []
+    assert empty_batch["unparsed"] == "'text' is an empty batch: no prompt to generate from"
+    assert no_ids["unparsed"] and no_ids["http_status"] == 200  # refused after the 200:
+    assert no_ids["error"] == {"type": "invalid_request_error",
+                               "message": "input_ids cannot be empty."}  # fmt: skip
+    assert crashed["http_status"] == 502 and crashed["error"]["type"] == "transport"
+
+
 async def test_sglang_openai_chat_flavour(
     fake_sglang: tuple[FakeSGLang, str], tmp_path: Path
 ) -> None:
@@ -387,6 +422,8 @@ async def test_path_prefix_and_baggage_through_the_proxy(
         ([1.0], False),
         ([1, "2"], False),
         ([1, None], False),
+        ([True, 2], False),
+        ([False], False),
         ([[1, 2]], False),
         ([{"id": 1}], False),
         ("1 2", False),

@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 
 import aiohttp
 import pytest
+import version_workload
 from fakes import FakeVLLM
 from fakes.mlflow_server import EXPERIMENT_HEADER, FakeMlflowServer, OtlpExport, ReceivedSpan
 from proxy_helpers import inline_pipeline, metric, trajectories
@@ -1064,3 +1065,36 @@ async def test_http_path_against_a_real_mlflow_server(
         errored = await asyncio.to_thread(mlflow.get_trace, "tr-" + "cd" * 16)
         assert errored.info.state.value == "ERROR"
         assert errored.info.tags["step"] == "7"
+
+
+async def test_traces_carry_policy_versions_and_lag(
+    qwen_tokenizer: Any, tmp_path: Path, tracking_uri: str
+) -> None:
+    """A partial rollout resumed across a weight sync and a rollout on one version, closed one
+    sync later (tests/version_workload.py): each root span's attributes say the sample id,
+    the oldest, newest and newest-seen versions, their spread, the lag and the partial flag,
+    and each generate span its version and lag, as the other backends say them."""
+    exporter = MlflowExporter(tracking_uri, "async-project", None)
+    async with (
+        version_workload.upstream(qwen_tokenizer) as upstream,
+        proxy_with(upstream, tmp_path, exporter, project="async-project") as (_, proxy),
+        aiohttp.ClientSession() as http,
+    ):
+        await version_workload.partial_rollouts(http, proxy, qwen_tokenizer)
+    records = version_workload.by_sample(trajectories(tmp_path))
+    for sample, record in records.items():
+        low, high, latest, partial, sample_id = version_workload.EXPECTED[sample]
+        root, generate = mlflow.get_trace(trace_id_of(record["id"])).data.spans
+        assert {name: root.get_attribute(name) for name in (
+            "sample_id", "weight_version_min", "weight_version_max", "weight_version_latest",
+            "partial_rollout", "version_spread", "version_lag")} == {
+            "sample_id": sample_id, "weight_version_min": low, "weight_version_max": high,
+            "weight_version_latest": latest, "partial_rollout": partial,
+            "version_spread": int(high) - int(low), "version_lag": 1,
+        }  # fmt: skip
+        assert generate.get_attribute("weight_version") == "4"
+        assert generate.get_attribute("version_lag") == 1
+    segments = (
+        mlflow.get_trace(trace_id_of(records[0]["id"])).data.spans[1].get_attribute("segments")
+    )
+    assert [s["weight_version"] for s in segments] == ["3", "4"]

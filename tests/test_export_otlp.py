@@ -15,6 +15,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import version_workload
 from aiohttp import web
 from fakes import FakeVLLM
 from opentelemetry import trace
@@ -639,3 +640,51 @@ def test_partly_shared_token_prompts_unanswered_and_failed_tools(qwen_tokenizer:
     assert open_tool.name == "execute_tool"
     assert times(open_tool) == (ns(12.5), ns(12.5))
     assert root.context is not None and root.context.trace_id != 0
+
+
+async def test_spans_carry_policy_versions_and_lag_in_the_rl_namespace(
+    qwen_tokenizer: Any, tmp_path: Path
+) -> None:
+    """A partial rollout resumed across a weight sync and a rollout on one version, closed one
+    sync later (tests/version_workload.py): the root says the sample id, oldest, newest and
+    newest-seen versions, their spread, the lag and the partial flag; each call its version
+    and lag; each attempt (segment event) its version, carried and generated tokens."""
+    output = tmp_path / "traces"
+    memory = InMemorySpanExporter()
+    async with version_workload.upstream(qwen_tokenizer) as upstream:
+        settings = dataclasses.replace(
+            Settings(), upstream=[upstream], port=0, admin_port=0, output=output
+        )
+        otlp = OtlpExporter("http://127.0.0.1:9/v1/traces", {}, span_exporter=memory)
+        service = ProxyService(settings, exporters=[JsonlExporter(output), otlp])
+        addresses = await service.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await version_workload.partial_rollouts(session, addresses.proxy, qwen_tokenizer)
+        finally:
+            await service.stop()
+    records = version_workload.by_sample([r for _, r in iter_records(output)])
+    roots = {}
+    for spans in by_trace(memory.get_finished_spans()).values():
+        root, calls, _ = tree(spans)
+        if attrs(root).get("gen_ai.operation.name") == "invoke_agent":
+            roots[attrs(root)["rollout.sample_index"]] = (root, calls)
+    assert sorted(roots) == [0, 1]
+    for sample, (root, calls) in roots.items():
+        low, high, latest, partial, sample_id = version_workload.EXPECTED[sample]
+        a = attrs(root)
+        assert (a["rl.sample.id"], a["rl.policy.version_min"], a["rl.policy.version_max"],
+                a["rl.policy.version_latest"], a["rl.rollout.partial"]) == (
+            sample_id, low, high, latest, partial)  # fmt: skip
+        assert (a["rl.policy.version_spread"], a["rl.policy.lag"]) == (int(high) - int(low), 1)
+        [call] = calls
+        assert (attrs(call)["rl.policy.version"], attrs(call)["rl.policy.lag"]) == ("4", 1)
+    [resumed] = roots[0][1]
+    segments = records[0]["calls"][0]["segments"]
+    assert [
+        (dict(e.attributes or {})["rl.policy.version"],
+         dict(e.attributes or {})["trace_proxy.segment.carried_tokens"],
+         dict(e.attributes or {})["trace_proxy.segment.tokens"])
+        for e in resumed.events if e.name == "segment"
+    ] == [(s["weight_version"], s["carried_tokens"], s["tokens"]) for s in segments]  # fmt: skip
+    assert segments[0]["finish_reason"] == "abort"

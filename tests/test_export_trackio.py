@@ -24,7 +24,9 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import orjson
 import pytest
+import version_workload
 from fakes import FakeVLLM
 from groundtruth.clients import Sampling, read_vllm_generate, vllm_generate_body
 from groundtruth.tooling import (
@@ -38,12 +40,19 @@ from proxy_helpers import trajectories
 
 from trace_proxy.client import post_reward
 from trace_proxy.config import Settings
+from trace_proxy.dataset.sft import sft_row
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.exporters import BACKENDS
 from trace_proxy.exporters.backends.jsonl import JsonlExporter
-from trace_proxy.exporters.backends.trackio import ANNOTATION_KEY, TRACE_KEY, TrackioExporter
+from trace_proxy.exporters.backends.trackio import (
+    ANNOTATION_KEY,
+    TRACE_KEY,
+    TrackioExporter,
+    ensure_visible_first_answer,
+)
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.names import store_name
+from trace_proxy.trajectories.toolparsers import get_parser
 
 # Not importorskip: importing trackio here would fix its directory before the fixture sets it.
 pytestmark = pytest.mark.skipif(
@@ -80,6 +89,14 @@ def traces(project: str, run: str, **query: Any) -> list[dict[str, Any]]:
 
     found: list[dict[str, Any]] = SQLiteStorage.get_traces(project, run=run, **query)
     return found
+
+
+def as_shown(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An SFT row's messages as a trace shows them: empty members left out, and a first answer
+    that only calls tools previewed with its calls."""
+    shown = [{k: v for k, v in m.items() if v is not None and v is not False} for m in messages]
+    ensure_visible_first_answer(shown)
+    return shown
 
 
 def check_times(span: dict[str, Any], start: float, end: float | None) -> None:
@@ -275,14 +292,13 @@ async def test_token_rollouts_become_decoded_conversations_at_their_steps(
         ]
         assert results[:-1] == sent[(meta["step"], meta["sample_index"], meta["validate"])]
 
-        # user (the decoded first prompt), then per turn: the answer, its tool results.
+        # The SFT export's reading of the record: the first prompt's system and user turns,
+        # then per turn the answer (its calls named after the tool spans), its tool results.
         got = trace["messages"]
-        assert got[0] == {"role": "user", "content": calls[0]["prompt_text"]}
-        assert got[0]["content"].startswith("<|im_start|>system\n")
+        assert got == as_shown(sft_row(record, get_parser("hermes"))["messages"])
+        assert "<|im_start|>" not in got[0]["content"] and "<tools>" in got[0]["content"]
         answers = [m for m in got if m["role"] == "assistant"]
-        assert [m["content"] for m in answers] == [c["outputs"][0]["response_text"] for c in calls]
-        assert "<tool_call>" in answers[0]["content"]  # the first answer is visible as it is
-        expected_roles = ["user"]
+        expected_roles = ["system", "user"]
         for i in range(len(calls)):
             expected_roles += ["assistant"] + ["tool"] * sum(
                 1 for s in tools if s["requested_by"] == i and s["result"] is not None
@@ -348,12 +364,15 @@ async def test_a_trajectory_without_a_step_and_late_rewards(
     assert by_id["no-step"]["key"]["step"] is None
     assert stepless["step"] == 0 and stepless["metadata"]["step"] is None
     assert stepless["metadata"]["trajectory_id"] == "no-step"
-    # A text prompt without token2text: the prompt and the server's text.
-    assert stepless["messages"] == [
-        {"role": "user", "content": "Tell me about Oslo."},
-        {"role": "assistant", "content": by_id["no-step"]["calls"][0]["outputs"][0]["text"]},
-    ]
+    # A text prompt in no chat template: the prompt as written, marked; the server's text.
+    assert stepless["messages"][0] == {
+        "role": "user", "content": "Tell me about Oslo.", "unparsed": True
+    }  # fmt: skip
+    assert stepless["messages"][1]["role"] == "assistant"
     assert stepless["messages"][1]["content"]
+    assert stepless["messages"] == as_shown(
+        sft_row(by_id["no-step"], get_parser("hermes"))["messages"]
+    )
     check_spans(stepless, by_id["no-step"])
 
     # Logged in one batch, rows share a timestamp: order them here.
@@ -451,7 +470,8 @@ def test_a_re_rendered_token_conversation_and_a_failed_call(
     qwen_tokenizer: Any, trackio_dir: Path, project: str
 ) -> None:
     """When the client re-renders earlier turns, the pieces do not line up: the conversation is
-    the last call's whole decoded prompt and its answer; the spans still show every call."""
+    the turns of the last call's whole decoded prompt and its answer; the spans still show
+    every call."""
     from trace_proxy.trajectories.record import (
         CallError,
         GenerateCall,
@@ -509,11 +529,17 @@ def test_a_re_rendered_token_conversation_and_a_failed_call(
     assert set(by_id) == {"rerendered", "failed"}
     exporter.close()
 
+    # The last prompt read whole: its turns (the answer as re-rendered, its call named as the
+    # prompt writes it), then its answer.
     messages = by_id["rerendered"]["messages"]
-    last = qwen_tokenizer.decode(calls[1].prompt.token_ids)
-    assert messages[0] == {"role": "user", "content": last}
-    assert messages[1] == {"role": "assistant", "content": "Oslo: 18C.<|im_end|>"}
-    assert len(messages) == 2
+    asked = {"id": "prompt_1_0", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}  # fmt: skip
+    assert messages == [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": 'get_weather({"city": "Oslo"})', "tool_calls": [asked]},
+        {"role": "tool", "content": "18C", "tool_call_id": "prompt_1_0", "name": "get_weather"},
+        {"role": "assistant", "content": "Oslo: 18C."},
+    ]
     spans = by_id["rerendered"]["spans"]
     assert [s["kind"] for s in spans] == ["span", "generation", "generation", "tool"]
     assert spans[3]["input"] == {"city": "Oslo"} and spans[3]["output"] == "18C"
@@ -571,3 +597,150 @@ def test_open_runs_are_bounded_and_a_reopened_run_continues(
             f"{run['name']}/{step}/{n}" for step, n in ((0, 0), (1, 0), (2, 0), (2, 1))
         )
         assert sorted(t["step"] for t in found) == [0, 1, 2, 2]
+
+
+def test_a_user_turn_a_later_prompt_adds_after_tool_results_is_a_message(
+    qwen_tokenizer: Any, trackio_dir: Path, project: str
+) -> None:
+    """Three generate calls whose prompts are ChatML ids, as a token agent sends them: P1 =
+    system + user + tools; P2 = P1 + R1 + the tool's response; P3 = P2 + R2 + the user's next
+    question. The trace's conversation holds every turn, the question included, and is the
+    SFT export's row for the same record (one reading of decoded text for both)."""
+    from trace_proxy.trajectories.prompts import share_prefixes
+    from trace_proxy.trajectories.record import (
+        GenerateCall,
+        Output,
+        Prompt,
+        RolloutKey,
+        Trajectory,
+        dumps,
+    )
+    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
+
+    french = "Thanks! Now say it once more in French…"
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    first = qwen_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "You are a helpful agent."},
+         {"role": "user", "content": "Is it raining in Oslo?"}],
+        tools=tools, tokenize=False, add_generation_prompt=True,
+    )  # fmt: skip
+    answers = [
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+        "<|im_end|>",
+        "Yes, it is raining in Oslo.<|im_end|>",
+        "Oui, il pleut à Oslo.<|im_end|>",
+    ]
+    added = [
+        "\n<|im_start|>user\n<tool_response>\n"
+        '{"city": "Oslo", "sky": "rain"}\n</tool_response><|im_end|>\n<|im_start|>assistant\n',
+        f"\n<|im_start|>user\n{french}<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    encode = qwen_tokenizer.encode
+    prompts = [encode(first)]
+    for position, more in enumerate(added):
+        prompts.append([*prompts[-1], *encode(answers[position]), *encode(more)])
+    calls = [
+        GenerateCall(
+            index=n, dialect="vllm.generate", route="/inference/v1/generate", upstream="u",
+            start=10.0 + n, end=10.5 + n, model="tiny-qwen", prompt=Prompt(token_ids=prompt),
+            outputs=[Output(index=0, token_ids=encode(answer), finish_reason="stop")],
+        )
+        for n, (prompt, answer) in enumerate(zip(prompts, answers, strict=True))
+    ]  # fmt: skip
+    share_prefixes(calls)
+    trajectory = Trajectory(
+        id="three-calls", key=RolloutKey(project=project, experiment="e", step=3), start=10.0,
+        end=13.0, status="ok", close_reason="done", calls=calls,
+    )  # fmt: skip
+    tokenizers = Tokenizers()
+    tokenizers.add(None, decoder_for(qwen_tokenizer, skip_special_tokens=False))
+    Token2Text(tokenizers, get_parser("hermes")).process([trajectory])
+    assert [s.name for s in trajectory.tools] == ["get_weather"]
+
+    exporter = TrackioExporter(project, trackio_dir)  # hermes, as `--tool-parser` defaults
+    exporter.export([trajectory])
+    [trace] = traces(project, "e", step=3)
+    exporter.close()
+
+    got = trace["messages"]
+    assert [m["role"] for m in got] == [
+        "system", "user", "assistant", "tool", "assistant", "user", "assistant"
+    ]  # fmt: skip
+    assert [m.get("content") for m in got[1:]] == [
+        "Is it raining in Oslo?",
+        'get_weather({"city": "Oslo"})',  # the dashboard's preview of a tool-only answer
+        '{"city": "Oslo", "sky": "rain"}',
+        "Yes, it is raining in Oslo.",
+        french,
+        "Oui, il pleut à Oslo.",
+    ]
+    assert "<tools>" in got[0]["content"] and "<|im_start|>" not in got[0]["content"]
+    assert got[3]["tool_call_id"] == got[2]["tool_calls"][0]["id"]
+    assert not any(m.get("unparsed") for m in got)
+
+    row = sft_row(orjson.loads(dumps(trajectory)), get_parser("hermes"))
+    assert row["messages"][2]["content"] is None  # the row keeps a tool-only answer's null
+    assert got == as_shown(row["messages"])
+
+
+def test_decoded_text_is_read_with_the_proxys_tool_parser(trackio_dir: Path, project: str) -> None:
+    """`--tool-parser gpt_oss` reaches the backend: a harmony prompt is read as its turns, not
+    as ChatML (which would leave it one unparsed user message)."""
+    from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, RolloutKey, Trajectory
+
+    prompt = (
+        "<|start|>system<|message|>You are ChatGPT.<|end|><|start|>user<|message|>Weather in "
+        "Oslo?<|end|><|start|>assistant"
+    )
+    call = GenerateCall(
+        index=0, dialect="openai.completions", route="/v1/completions", upstream="u",
+        start=1.0, end=1.5, prompt=Prompt(text=prompt),
+        outputs=[Output(index=0, text="<|channel|>final<|message|>Rain.<|return|>")],
+    )  # fmt: skip
+    trajectory = Trajectory(
+        id="harmony", key=RolloutKey(project=project, experiment="e", step=1), start=1.0,
+        end=1.5, status="ok", close_reason="done", calls=[call],
+    )  # fmt: skip
+    settings = dataclasses.replace(
+        Settings(), project=project, trackio_dir=trackio_dir, tool_parser="gpt_oss"
+    )
+    exporter = BACKENDS["trackio"](settings)
+    exporter.export([trajectory])
+    [trace] = traces(project, "e", step=1)
+    exporter.close()
+    assert trace["messages"] == [
+        {"role": "system", "content": "You are ChatGPT."},
+        {"role": "user", "content": "Weather in Oslo?"},
+        {"role": "assistant", "content": "Rain."},
+    ]
+
+
+async def test_traces_carry_policy_versions_and_lag(
+    qwen_tokenizer: Any, tmp_path: Path, project: str, trackio_dir: Path
+) -> None:
+    """A partial rollout resumed across a weight sync and a rollout on one version, closed one
+    sync later (tests/version_workload.py): each trace's metadata says the sample id, the
+    oldest, newest and newest-seen versions, their spread, the lag and the partial flag, and
+    each generation span its version and lag, as the other backends say them."""
+    async with version_workload.upstream(qwen_tokenizer) as upstream:
+        async with running(upstream, tmp_path / "out", project, trackio_dir) as (_, proxy):
+            async with aiohttp.ClientSession() as session:
+                await version_workload.partial_rollouts(session, proxy, qwen_tokenizer)
+    records = version_workload.by_sample(trajectories(tmp_path / "out"))
+    found = {t["metadata"]["sample_index"]: t for t in traces(project, version_workload.EXPERIMENT)}
+    assert sorted(found) == sorted(records) == [0, 1]
+    for sample, trace in found.items():
+        low, high, latest, partial, sample_id = version_workload.EXPECTED[sample]
+        meta = trace["metadata"]
+        assert {name: meta[name] for name in (
+            "sample_id", "weight_version_min", "weight_version_max", "weight_version_latest",
+            "partial_rollout", "version_spread", "version_lag")} == {
+            "sample_id": sample_id, "weight_version_min": low, "weight_version_max": high,
+            "weight_version_latest": latest, "partial_rollout": partial,
+            "version_spread": int(high) - int(low), "version_lag": 1,
+        }  # fmt: skip
+        [generation] = [s for s in trace["spans"] if s["kind"] == "generation"]
+        meta = generation["metadata"]
+        assert (meta["weight_version"], meta["version_lag"]) == ("4", 1)
+    [resumed] = [s for s in found[0]["spans"] if s["kind"] == "generation"]
+    assert [s["weight_version"] for s in resumed["metadata"]["segments"]] == ["3", "4"]

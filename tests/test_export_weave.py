@@ -18,6 +18,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import version_workload
 from fakes import FakeVLLM
 from groundtruth.tooling import TOOLS, chat_tool_rollout
 from proxy_helpers import running_proxy, trajectories
@@ -122,6 +123,7 @@ async def test_chat_tool_rollout_is_one_call_tree(
         "step": 3, "sample_index": 17, "rollout_n": 2, "validate": record["key"]["validate"],
         "experiment_name": "exp-w", "trajectory_id": "w-1", "project": "tp",
         "record_id": record["id"], "reward": 1.0, "labels": {"correct": True},
+        "partial_rollout": False,
     }  # fmt: skip
     assert root["attributes"]["weave"]["client_version"] == "0.54.0"
     assert at(root["started_at"]) == utc(record["start"])
@@ -373,3 +375,28 @@ def test_an_export_imports_no_module_from_a_worker_thread() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", done.stdout
+
+
+async def test_calls_carry_policy_versions_and_lag(qwen_tokenizer: Any, tmp_path: Path) -> None:
+    """A partial rollout resumed across a weight sync and a rollout on one version, closed one
+    sync later (tests/version_workload.py): each root call's attributes say the sample id, the
+    oldest, newest and newest-seen versions, their spread, the lag and the partial flag, and
+    each generate call its version and lag, as the other backends say them."""
+    fake = FakeWeaveServer()
+    async with version_workload.upstream(qwen_tokenizer) as upstream, fake.serve() as weave_url:
+        async with running(upstream, tmp_path / "out", weave_url) as (_, proxy):
+            async with aiohttp.ClientSession() as session:
+                await version_workload.partial_rollouts(session, proxy, qwen_tokenizer)
+    records = version_workload.by_sample(trajectories(tmp_path / "out"))
+    for sample, record in records.items():
+        low, high, latest, partial, sample_id = version_workload.EXPECTED[sample]
+        root = fake.stored[call_id(record["id"], "root")]["attributes"]
+        assert {name: root[name] for name in (
+            "sample_id", "weight_version_min", "weight_version_max", "weight_version_latest",
+            "partial_rollout", "version_spread", "version_lag")} == {
+            "sample_id": sample_id, "weight_version_min": low, "weight_version_max": high,
+            "weight_version_latest": latest, "partial_rollout": partial,
+            "version_spread": int(high) - int(low), "version_lag": 1,
+        }  # fmt: skip
+        generate = fake.stored[call_id(record["id"], "call/0")]["attributes"]
+        assert (generate["weight_version"], generate["version_lag"]) == ("4", 1)

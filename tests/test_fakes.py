@@ -1387,3 +1387,213 @@ async def test_sglang_openai_routes(
     assert text == plain["choices"][0]["message"]["content"]
     assert chunks[-2]["choices"][0]["matched_stop"] == IM_END
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["total_tokens"] > 0
+
+
+# What SGLang 0.5.23 refuses, and how (each case read in its source: the tokenizer manager's
+# `_validate_one_request`, the scheduler's `validate_input_length`, `_handle_batch_request`,
+# the serving classes' `_validate_request` and `handle_request`, FastAPI's validation).
+SMALL_CONTEXT = 64  # `--context-length`: the scheduler refuses prompts of 58 tokens and more
+
+
+@pytest.fixture
+async def small_sglang(qwen_tokenizer: Any, start_fake: StartFake) -> tuple[FakeSGLang, str]:
+    fake = FakeSGLang(qwen_tokenizer, deterministic=True, context_length=SMALL_CONTEXT)
+    return fake, await start_fake(fake)
+
+
+async def test_sglang_generate_an_empty_text_batch_answers_an_empty_list(
+    small_sglang: tuple[FakeSGLang, str],
+) -> None:
+    """`"text": []` is a batch of none: nothing is tokenized or sent, the answer is `[]`."""
+    _, url = small_sglang
+    assert await post_json(url + "/generate", {"text": []}) == []
+    assert await stream(url + "/generate", {"text": [], "stream": True}) == []
+
+
+async def test_sglang_generate_refuses_prompts_the_context_cannot_hold(
+    small_sglang: tuple[FakeSGLang, str],
+) -> None:
+    fake, url = small_sglang
+    too_long = {"input_ids": list(range(1, SMALL_CONTEXT + 1))}
+    body = await post_json(url + "/generate", too_long, status=400)
+    assert body == {
+        "error": {
+            "message": "The input (64 tokens) is longer than the model's context length "
+            "(64 tokens)."
+        }
+    }
+    streamed = await stream(url + "/generate", {**too_long, "stream": True})
+    assert [c["error"]["code"] for c in streamed] == [400]
+    overrun = {"input_ids": list(range(1, 41)), "sampling_params": {"max_new_tokens": 30}}
+    body = await post_json(url + "/generate", overrun, status=400)
+    assert body["error"]["message"].startswith(
+        "Requested token count exceeds the model's maximum context length of 64 tokens. "
+        "You requested a total of 70 tokens: 40 tokens from the input messages and 30 tokens"
+    )
+    reserve = {"input_ids": list(range(1, 59)), "rid": "near-full"}  # 58 >= 64 - 6
+    body = await post_json(url + "/generate", reserve, status=400)
+    assert body == {
+        "error": {
+            "message": "Input length (58 tokens) exceeds the maximum allowed length (58 "
+            "tokens). Use a shorter input or enable --allow-auto-truncate."
+        }
+    }
+    (chunk,) = await stream(url + "/generate", {**reserve, "stream": True})
+    assert chunk["output_ids"] == [] and chunk["meta_info"]["prompt_tokens"] == 1
+    assert chunk["meta_info"]["finish_reason"] == {
+        "type": "abort",
+        "message": body["error"]["message"],
+        "status_code": 400,
+        "err_type": "BadRequestError",
+    }
+    fits = await post_json(url + "/generate", {"input_ids": list(range(1, 51))})
+    assert len(fits["output_ids"]) <= SMALL_CONTEXT - 2 - 50  # the scheduler's budget
+    assert not fake.crashed
+
+
+async def test_sglang_an_empty_prompt_kills_the_server(
+    qwen_tokenizer: Any, start_fake: StartFake
+) -> None:
+    """Nothing refuses an empty prompt before the scheduler, whose forward pass fails on it:
+    the server exits, cutting every connection, the one generating too."""
+    fake = FakeSGLang(qwen_tokenizer, token_delay=0.01)
+    url = await start_fake(fake)
+    async with aiohttp.ClientSession() as session:
+        generating = await session.post(
+            url + "/generate",
+            json={"text": "Hi", "stream": True, "rid": "busy",
+                  "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}},
+        )  # fmt: skip
+        await generating.content.readuntil(b"\n\n")
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await session.post(url + "/generate", json={"input_ids": [[]]})
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await generating.read()
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await session.get(url + "/health")
+    assert fake.crashed and fake.aborted == []  # the server died; no client left
+
+
+@pytest.mark.parametrize(
+    "body", [{"text": ""}, {"input_ids": [[], [1, 2]]}, {"text": ["a", ""], "stream": True}]
+)
+async def test_sglang_every_empty_prompt_reaches_the_scheduler(
+    small_sglang: tuple[FakeSGLang, str], body: Any
+) -> None:
+    fake, url = small_sglang
+    async with aiohttp.ClientSession() as session:
+        with pytest.raises(aiohttp.ServerDisconnectedError):
+            await session.post(url + "/generate", json=body)
+    assert fake.crashed
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "error_type", "message"),
+    [
+        ("/v1/completions", {"prompt": ""}, "BadRequestError", "Prompt cannot be empty"),
+        ("/v1/completions", {"prompt": [0]}, "BadRequestError", "Prompt cannot be empty"),
+        ("/v1/completions", {"prompt": [1], "max_tokens": 0}, "Bad Request",
+         "1 validation error:\n  {'type': 'value_error', 'loc': ('body', 'max_tokens'), "
+         "'msg': 'Value error, max_tokens must be positive'"),
+        ("/v1/completions", {"max_tokens": 3}, "Bad Request",
+         "1 validation error:\n  {'type': 'missing', 'loc': ('body', 'prompt')"),
+        ("/v1/completions", [1, 2], "Bad Request",
+         "1 validation error:\n  {'type': 'model_attributes_type', 'loc': ('body',)"),
+        ("/v1/completions", {"prompt": list(range(1, 60)), "max_tokens": 1},
+         "BadRequestError", "Input length (59 tokens) exceeds the maximum allowed length"),
+        ("/v1/completions", {"prompt": list(range(1, 60))}, "BadRequestError",
+         "Requested token count exceeds the model's maximum context length of 64 tokens."),
+        ("/v1/completions", {"prompt": list(range(1, 65)), "stream": True},
+         "BadRequestError", "The input (64 tokens)"),  # refused before the stream's 200
+        ("/v1/chat/completions", {"messages": []}, "BadRequestError",
+         "Messages cannot be empty."),
+        ("/v1/chat/completions", {"messages": USER, "tool_choice": "required"},
+         "BadRequestError", "Tools cannot be empty if tool choice is set to required."),
+        ("/v1/chat/completions", {"model": "m"}, "Bad Request",
+         "1 validation error:\n  {'type': 'missing', 'loc': ('body', 'messages')"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 80}]},
+         "BadRequestError", "The input ("),
+        ("/v1/chat/completions",
+         {"messages": [{"role": "user", "content": "word " * 80}], "stream": True},
+         "BadRequestError", "The input ("),
+        ("/v1/chat/completions", {"messages": USER, "stream": True, "return_token_ids": True},
+         "BadRequest", "return_token_ids is not supported with streaming"),
+    ],
+)  # fmt: skip
+async def test_sglang_openai_routes_refuse_with_json_400s(
+    small_sglang: tuple[FakeSGLang, str], path: str, body: Any, error_type: str, message: str
+) -> None:
+    _, url = small_sglang
+    error = await post_json(url + path, body, status=400)
+    assert list(error) == ["object", "message", "type", "param", "code"]
+    assert error["object"] == "error" and error["code"] == 400 and error["param"] is None
+    assert error["type"] == error_type and error["message"].startswith(message)
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_sglang_openai_routes_refuse_what_fastapi_cannot_read(
+    small_sglang: tuple[FakeSGLang, str], path: str
+) -> None:
+    _, url = small_sglang
+    async with aiohttp.ClientSession() as session:
+        for data, content_type, text in (
+            (b'{"prompt": ', "application/json", "'type': 'json_invalid', 'loc': ('body', 11)"),
+            (b'{"prompt": "x"}', "text/plain", "Unsupported Media Type"),
+        ):
+            headers = {"Content-Type": content_type}
+            async with session.post(url + path, data=data, headers=headers) as response:
+                assert response.status == 400
+                assert response.content_type == "application/json"
+                error = await response.json()
+            assert error["type"] == "Bad Request" and text in error["message"]
+
+
+async def test_sglang_openai_streams_refused_by_the_scheduler_send_its_error(
+    small_sglang: tuple[FakeSGLang, str],
+) -> None:
+    """A prompt within the scheduler's reserve passes the manager, so the stream has begun:
+    its one event is the abort's error (`create_streaming_error_response`), then usage."""
+    _, url = small_sglang
+    ids = list(range(1, 60))
+    chat = [{"role": "user", "content": "word " * 50}]
+    for path, body in (
+        ("/v1/completions", {"prompt": ids[:-1], "max_tokens": 1}),  # 58 tokens
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 1}),
+    ):
+        request = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        error, usage = await stream(url + path, request)
+        assert error["error"]["type"] == "BAD_REQUEST" and error["error"]["code"] == 400
+        assert error["error"]["message"].startswith("Input length (")
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 0
+
+
+async def test_sglang_openai_streams_cut_by_abort_request_end_with_abort(
+    qwen_tokenizer: Any, start_fake: StartFake
+) -> None:
+    """`/abort_request` ends a request gracefully (`FINISH_ABORT()`, no status code): both
+    serving classes send the abort as an ordinary last chunk, `finish_reason` `"abort"`."""
+    fake = FakeSGLang(qwen_tokenizer, token_delay=0.005)
+    url = await start_fake(fake)
+    long = {"max_tokens": 2000, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    requests = (
+        ("/v1/completions", {"prompt": "Hello", "rid": "cmpl-cut", "return_token_ids": True}),
+        ("/v1/chat/completions", {"messages": USER, "tools": [WEATHER_TOOL], "rid": "chat-cut"}),
+    )
+    async with aiohttp.ClientSession() as session:
+        for path, body in requests:
+            response = await session.post(url + path, json={**body, **long})
+            head = await response.content.readuntil(b"\n\n")
+            async with session.post(url + "/abort_request", json={"rid": body["rid"]}) as cut:
+                assert cut.status == 200
+            chunks = events(head + await response.read())
+            assert chunks[-1] == "[DONE]"
+            *deltas, last, usage = chunks[:-1]
+            assert usage["choices"] == [] and 0 < usage["usage"]["completion_tokens"] < 2000
+            (choice,) = last["choices"]
+            assert choice["finish_reason"] == "abort" and choice["matched_stop"] is None
+            assert all(d["choices"][0]["finish_reason"] is None for d in deltas)
+            if path == "/v1/completions":
+                assert choice["text"] == "" and choice["token_ids"] == []
+                sent = sum(len(d["choices"][0]["token_ids"]) for d in deltas)
+                assert sent == usage["usage"]["completion_tokens"]

@@ -407,8 +407,8 @@ def expected_calls(route: str, request: Json) -> int:
 
 
 def _ids(value: Json) -> bool:
-    """Token ids as the parsers take them (`as_int_list`: a bool is an int)."""
-    return isinstance(value, list) and all(isinstance(i, int) for i in value)
+    """Token ids as the parsers take them (`as_int_list`: integers, never JSON's booleans)."""
+    return isinstance(value, list) and all(type(i) is int for i in value)
 
 
 def assert_recordable(records: list[Record]) -> None:

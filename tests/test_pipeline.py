@@ -21,7 +21,8 @@ from trace_proxy.exporters.pipeline import ExportPipeline
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import Cursor, SpoolWriter
 from trace_proxy.metrics import ExportMetrics, Metrics
-from trace_proxy.store.layout import record_path
+from trace_proxy.store.layout import record_names
+from trace_proxy.store.names import store_name
 from trace_proxy.trajectories.record import (
     SCHEMA_VERSION,
     GenerateCall,
@@ -353,7 +354,11 @@ async def test_spooled_lines_are_written_as_a_decoded_record_would_be(tmp_path: 
         }
         if isinstance(processor, Idle):
             assert processor.passed == 12
-    assert set(stores["decoded"]) == {record_path(Path(), r) for r in records}
+    expected = set()
+    for record in records:
+        project, experiment, file_name = record_names(record)
+        expected.add(Path(store_name(project), store_name(experiment), file_name))
+    assert set(stores["decoded"]) == expected
     assert stores["spooled"] == stores["decoded"]
     lines = b"".join(stores["spooled"].values()).splitlines()
     assert sorted(loads(line).record for line in lines) == ["event"] + ["trajectory"] * 12

@@ -154,6 +154,35 @@ def test_show_prints_no_control_characters_from_records(tmp_path: Path) -> None:
     assert f"-- event {shown} version {shown} ({shown} -> 200) {shown}/{shown}" in text
 
 
+def test_show_prints_versions_and_each_attempt_of_a_resumed_call(tmp_path: Path) -> None:
+    """A rollout generated across a weight sync: its sample id and versions in the header, the
+    call's version, and each attempt with its version, carried tokens and why it stopped."""
+    record = trajectory(1, 0)
+    record.key.sample_id = "uid-7"
+    record.weight_version_min, record.weight_version_max = "3", "4"
+    record.partial_rollout = True
+    call = record.calls[0]
+    call.weight_version = "4"
+    call.segments = [
+        {"start": 10.0, "end": 10.5, "request_id": "a", "http_status": 200,
+         "finish_reason": "abort", "weight_version": "3", "carried_tokens": 0, "tokens": 5},
+        {"start": 11.0, "end": 11.5, "request_id": "b", "http_status": 200,
+         "finish_reason": "stop", "weight_version": "4", "carried_tokens": 5, "tokens": 2},
+    ]  # fmt: skip
+    store = JsonlExporter(tmp_path)
+    store.export([record])
+    store.close()
+    out = io.StringIO()
+    assert show(tmp_path, out=out) == 0
+    lines = out.getvalue().splitlines()
+    assert "· sample id uid-7  [ok, closed: done; versions 3 to 4, partial rollout]" in lines[0]
+    assert lines[1].endswith("1.50s v4  user: 'What is 2+2?' -> '4' [stop]")
+    assert lines[2:4] == [
+        "     attempt 1   0.50s  version 3  generated 5 tokens  [abort]",
+        "     attempt 2   0.50s  version 4  carried 5 tokens  generated 2 tokens  [stop]",
+    ]
+
+
 def test_show_on_a_missing_directory(tmp_path: Path) -> None:
     assert show(tmp_path / "nope", out=io.StringIO()) == 1
 

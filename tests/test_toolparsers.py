@@ -15,6 +15,7 @@ from trace_proxy.trajectories.toolparsers import (
     ParsedResponse,
     ParsedToolCall,
     ToolCallParser,
+    Turn,
     get_parser,
 )
 
@@ -43,6 +44,7 @@ def test_registry_names_and_default() -> None:
         assert get_parser(name) is parser
         checked: ToolCallParser = parser  # each satisfies the protocol
         assert callable(checked.parse_response) and callable(checked.tool_results)
+        assert callable(checked.turns)
 
 
 def test_get_parser_accepts_vllm_names() -> None:
@@ -744,3 +746,70 @@ def test_property_tool_results_round_trip(results: list[str]) -> None:
         for k, r in enumerate(results)
     )
     assert OSS.tool_results(harmony + "<|start|>assistant") == results
+
+
+# ---------------------------------------------------------------------------------------------
+# turns: the messages a piece of prompt text writes
+
+
+def test_chatml_turns_of_a_first_prompt_and_of_what_a_later_one_adds() -> None:
+    opening = (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nRain in Oslo?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert HERMES.turns(opening) == [Turn("system", "Be brief."), Turn("user", "Rain in Oslo?")]
+    added = (
+        "<|im_start|>user\n<tool_response>\nrain\n</tool_response>\n<tool_response>\n"
+        "{}\n</tool_response><|im_end|>\n<|im_start|>user\nAnd in French?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    expected = [Turn("tool", "rain"), Turn("tool", "{}"), Turn("user", "And in French?")]
+    # After an answer that wrote its end-of-turn token, one that did not, and verl's way (the
+    # ids of the next turn right after `<|im_end|>`).
+    for closing in ("\n", "<|im_end|>\n", ""):
+        assert HERMES.turns(closing + added, after_answer=True) == expected
+        assert CODER.turns(closing + added, after_answer=True) == expected
+    # A user turn with words besides a tool response is the user's.
+    said = "<|im_start|>user\nSee: <tool_response>\nx\n</tool_response><|im_end|>\n"
+    assert HERMES.turns(said) == [Turn("user", "See: <tool_response>\nx\n</tool_response>")]
+    assert HERMES.turns("\n<|im_start|>assistant\n", after_answer=True) == []
+
+
+def test_text_outside_chatml_turns_is_not_read_as_turns() -> None:
+    assert HERMES.turns("User: hi\nAssistant:") is None
+    assert HERMES.turns("\nUser: And then?\nAssistant:", after_answer=True) is None
+    # The close of an answer's turn is only skipped after an answer.
+    assert HERMES.turns("\n<|im_start|>user\nhi<|im_end|>\n") is None
+    assert HERMES.turns("<|im_start|>user\nhi<|im_end|>\nand more words") is None
+    assert HERMES.turns(" and more<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n", True) is None
+
+
+def test_harmony_turns() -> None:
+    opening = (
+        "<|start|>system<|message|>You are ChatGPT.<|end|><|start|>developer<|message|># Tools"
+        "<|end|><|start|>user<|message|>Weather in Oslo?<|end|><|start|>assistant"
+    )
+    assert OSS.turns(opening) == [
+        Turn("system", "You are ChatGPT."), Turn("developer", "# Tools"),
+        Turn("user", "Weather in Oslo?"),
+    ]  # fmt: skip
+    added = (
+        "<|start|>functions.get_weather to=assistant<|channel|>commentary<|message|>"
+        '{"sky": "rain"}<|end|><|start|>user<|message|>In French?<|end|><|start|>assistant'
+    )
+    expected = [Turn("tool", '{"sky": "rain"}', "get_weather"), Turn("user", "In French?")]
+    assert OSS.turns(added, after_answer=True) == expected
+    assert OSS.turns("<|call|>" + added, after_answer=True) == expected
+    earlier = (
+        "<|start|>assistant<|channel|>analysis<|message|>Look it up.<|end|>"
+        "<|start|>assistant to=functions.get_weather<|channel|>commentary json<|message|>"
+        '{"city": "Oslo"}<|call|>'
+    )
+    [turn] = OSS.turns(earlier + "<|start|>assistant") or []
+    assert turn.role == "assistant"
+    parsed = OSS.parse_response(turn.content)
+    assert parsed.reasoning == "Look it up." and parsed.calls == [
+        call("get_weather", {"city": "Oslo"})
+    ]
+    assert OSS.turns("User: hi") is None
+    assert OSS.turns("<|start|>user<|message|>cut off") is None

@@ -25,9 +25,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import orjson
 import pytest
+import version_workload
 from drift_traffic import TURNS, text_client_rollout
+from proxy_helpers import running_proxy
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.store.readers import iter_records
@@ -450,3 +453,77 @@ def test_a_replay_is_compared_with_what_was_recorded(
         # the replayed one was not, so they are compared as sent, not as shown.
         assert driver.find_element(By.ID, "divergence").text == "These rollouts do not differ."
         assert driver.save_screenshot(str(shots / "12-replay-compare.png"))
+
+
+@pytest.fixture(scope="module")
+def async_store(qwen_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real proxy's store of a partial rollout resumed across a weight sync and a rollout
+    on one version, closed one sync later (tests/version_workload.py)."""
+    output = tmp_path_factory.mktemp("ui-async") / "traces"
+
+    async def run() -> None:
+        async with version_workload.upstream(qwen_tokenizer) as url:
+            async with running_proxy([url], output) as (_, proxy):
+                async with aiohttp.ClientSession() as session:
+                    await version_workload.partial_rollouts(session, proxy, qwen_tokenizer)
+
+    asyncio.run(run())
+    return output
+
+
+def test_a_user_sees_how_stale_an_asynchronous_runs_samples_were(
+    browser: object, async_store: Path, shots: Path
+) -> None:
+    """The run's samples by versions spanned and behind at close, then a step's partial
+    rollouts alone, then the partial rollout's timeline with the weight sync between its
+    attempts."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.remote.webdriver import WebDriver
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    assert isinstance(browser, WebDriver)
+    driver = browser
+    wait = WebDriverWait(driver, WAIT)
+    records = version_workload.by_sample(
+        [r for _, r in iter_records(async_store) if r.get("record") == "trajectory"]
+    )
+    with served(async_store) as url:
+        driver.get(url)
+        driver.find_element(By.CSS_SELECTOR, "a.run-link").click()
+        plots = wait.until(ec.visibility_of_element_located((By.ID, "version-plots")))
+        lag = plots.find_elements(By.CSS_SELECTOR, "#version-lag rect.bar")
+        assert [(b.get_attribute("data-value"), b.get_attribute("data-count")) for b in lag] == [
+            ("0", "0"), ("1", "2")]  # fmt: skip
+        tall = lag[1]
+        assert tall.is_displayed() and tall.size["height"] > 0 and lag[0].size["height"] == 0
+        spread = plots.find_elements(By.CSS_SELECTOR, "#version-spread rect.bar")
+        assert [b.get_attribute("data-count") for b in spread] == ["1", "1"]
+        assert driver.save_screenshot(str(shots / "13-version-plots.png"))
+        driver.find_element(By.CSS_SELECTOR, "#train-steps a.step-link").click()
+
+        wait.until(ec.presence_of_element_located((By.ID, "groups")))
+        assert len(driver.find_elements(By.CSS_SELECTOR, "td.rollout")) == 2
+        Select(driver.find_element(By.ID, "partial")).select_by_visible_text("only partial")
+        driver.find_element(By.CSS_SELECTOR, "#filters button[type=submit]").click()
+        wait.until(ec.url_contains("partial=yes"))
+        [cell] = driver.find_elements(By.CSS_SELECTOR, "td.rollout")
+        assert cell.get_attribute("data-id") == records[0]["id"]
+        assert cell.find_element(By.CSS_SELECTOR, ".partial-tag").is_displayed()
+        assert driver.save_screenshot(str(shots / "14-partial-rollouts.png"))
+        cell.find_element(By.CSS_SELECTOR, "a.traj-link").click()
+
+        wait.until(ec.presence_of_element_located((By.ID, "traj-title")))
+        assert text_of(driver, "#traj-versions") == (
+            "versions 3 to 4, partial rollout; newest at close 5 (1 behind)"
+        )
+        assert driver.save_screenshot(str(shots / "15-weight-sync.png"))
+        [sync] = driver.find_elements(By.CSS_SELECTOR, "svg.timeline g.sync")
+        label = sync.find_element(By.TAG_NAME, "text")
+        assert label.text == "v3 → v4" and label.is_displayed()
+        attempts = driver.find_elements(By.CSS_SELECTOR, "svg.timeline g.segment rect")
+        line = sync.find_element(By.TAG_NAME, "line")  # vertical: drawn, though 0 wide
+        assert len(attempts) == 2 and line.rect["height"] > 0
+        # On the page as drawn: the sync between the end of the first attempt and the second.
+        first, second = attempts
+        assert first.rect["x"] + first.rect["width"] <= line.rect["x"] <= second.rect["x"] + 1

@@ -7,10 +7,14 @@ import html
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
+import aiohttp
 import pytest
+import version_workload
 from aiohttp.test_utils import TestClient, TestServer
+from proxy_helpers import running_proxy, trajectories
 from ui_records import annotation, append, call, run_dir, step_file, trajectory
 
 from trace_proxy.store.names import store_name
@@ -371,3 +375,76 @@ def test_a_decoded_and_an_undecoded_rollout_are_compared_as_sent() -> None:
     divergence = views.first_divergence(differ)
     assert divergence is not None
     assert (divergence.turn, divergence.where, divergence.basis) == (0, "response", "api")
+
+
+async def test_an_asynchronous_run_shows_how_stale_its_samples_were(
+    tmp_path: Path, qwen_tokenizer: Any
+) -> None:
+    """A real proxy's records of a partial rollout resumed across a weight sync and a rollout
+    on one version, closed one sync later (tests/version_workload.py): the run page counts
+    samples by versions spanned and by versions behind at close, the step page filters partial
+    rollouts, and the partial rollout's timeline marks the sync between its two attempts."""
+    output = tmp_path / "traces"
+    async with version_workload.upstream(qwen_tokenizer) as url:
+        async with running_proxy([url], output) as (_, proxy):
+            async with aiohttp.ClientSession() as session:
+                await version_workload.partial_rollouts(session, proxy, qwen_tokenizer)
+    records = version_workload.by_sample(trajectories(output))
+    key = records[0]["key"]
+    client = TestClient(TestServer(Viewer(StoreIndex([output], min_interval=0)).app()))
+    await client.start_server()
+    try:
+        base = f"/run/0/{quote(store_name(key['project']), safe='')}/{version_workload.EXPERIMENT}"
+        page = await (await client.get(base + "/")).text()
+
+        def bars(figure: str) -> dict[str, str]:
+            found = re.search(rf'<figure class="plot bars" id="{figure}">(.*?)</figure>', page,
+                              re.S)  # fmt: skip
+            assert found, figure
+            return dict(re.findall(r'data-value="([^"]+)" data-count="(\d+)"', found.group(1)))
+
+        assert bars("version-spread") == {"0": "1", "1": "1"}  # sample 1 on 4; sample 0: 3, 4
+        assert bars("version-lag") == {"0": "0", "1": "2"}  # both closed on 4 when 5 was out
+
+        step = base + "/step/1"
+        partial = await (await client.get(step + "?partial=yes")).text()
+        assert re.findall(r'data-id="([^"]+)"', partial) == [records[0]["id"]]
+        assert "partial · 1 sync" in partial and "1 behind at close" in partial
+        whole = await (await client.get(step + "?partial=no")).text()
+        assert re.findall(r'data-id="([^"]+)"', whole) == [records[1]["id"]]
+        assert 'class="tag partial-tag"' not in whole
+
+        page = await (await client.get(f"{base}/t/{records[0]['id']}")).text()
+        facts = re.search(r'<dd id="traj-versions">(.*?)</dd>', page)
+        assert facts and facts.group(1) == (
+            "versions 3 to 4, partial rollout; newest at close 5 (1 behind)"
+        )
+        [(before, after, x)] = re.findall(
+            r'<g class="sync" data-before="([^"]+)" data-after="([^"]+)">.*?<line x1="([\d.]+)"',
+            page, re.S,
+        )  # fmt: skip
+        assert (before, after) == ("3", "4")
+        attempts = re.findall(
+            r'<g class="span segment">.*?<text[^>]*>([^<]*)</text>\s*<rect x="([\d.]+)" y="[\d.]+"'
+            r' width="([\d.]+)"', page, re.S,
+        )  # fmt: skip
+        assert [label for label, _, _ in attempts] == ["↳ attempt 1 · v3", "↳ attempt 2 · v4"]
+        (_, first_x, first_w), (_, second_x, _) = attempts
+        assert float(first_x) + float(first_w) <= float(x) <= float(second_x)  # between them
+    finally:
+        await client.close()
+
+
+def test_a_sync_between_two_calls_is_marked_once_between_them() -> None:
+    """Turns on different versions: the sync lies between the turn before it and the one
+    after; turns on one version, or without one, mark nothing."""
+    calls = [call(n, f"turn {n}") for n in range(3)]
+    for made, version in zip(calls, ("3", "3", "4"), strict=True):
+        made["weight_version"] = version
+    view = views.trajectory_view(trajectory(calls=calls))
+    [sync] = view.syncs
+    assert (sync.before, sync.after) == ("3", "4")
+    earlier, later = view.spans[1], view.spans[2]
+    assert earlier.end is not None and earlier.end <= sync.at <= later.start
+    calls[2]["weight_version"] = None
+    assert views.trajectory_view(trajectory(calls=calls)).syncs == []

@@ -9,6 +9,7 @@ tests/real/test_verl_plugin.py.
 from __future__ import annotations
 
 import asyncio
+import json
 import pickle
 import socket
 from collections.abc import Iterator
@@ -19,6 +20,7 @@ import pytest
 from fakes.vllm import FakeVLLM
 from proxy_helpers import running_proxy, trajectories
 
+from trace_proxy.integrations.verl.admission import Admission
 from trace_proxy.integrations.verl.link import ProxyLink, ProxyUnreachable, TrajectoryTags
 from trace_proxy.integrations.verl.mapping import (
     ServerLimits,
@@ -157,7 +159,8 @@ def test_bad_plugin_settings_are_clear_errors() -> None:
 
 def _tags(trajectory_id: str, n: int = 0) -> TrajectoryTags:
     return TrajectoryTags(project="proj", experiment="exp", step=4, sample_index=2, rollout_n=n,
-                          validate=False, trajectory_id=trajectory_id)  # fmt: skip
+                          validate=False, trajectory_id=trajectory_id,
+                          sample_id="uid-2")  # fmt: skip
 
 
 def test_the_link_travels_without_its_session_and_never_shows_its_token() -> None:
@@ -179,7 +182,14 @@ async def test_generate_through_the_proxy_is_tagged_and_closed(
         link = ProxyLink(proxy_url, admin, TOKEN, LIMITS)
         prompt = qwen_tokenizer.encode("Say hi")
         calls = [
-            link.generate(server_id, _tags(f"t{n}", n), prompt, dict(SAMPLING), request_id=f"r{n}")
+            link.generate(
+                server_id,
+                _tags(f"t{n}", n),
+                prompt,
+                dict(SAMPLING),
+                request_id=f"r{n}",
+                weight_version=7 + n,
+            )
             for n in range(2)
         ]
         results = await asyncio.gather(*calls)
@@ -206,6 +216,9 @@ async def test_generate_through_the_proxy_is_tagged_and_closed(
     assert first["close_reason"] == "done" and first["reward"] == 0.25
     assert first["calls"][0]["upstream"] == upstream
     assert first["calls"][0]["outputs"][0]["token_ids"] == results[0].token_ids
+    # The version verl's server would return with each call, and verl's uid of the sample.
+    assert [by_n[n]["calls"][0]["weight_version"] for n in (0, 1)] == ["7", "8"]
+    assert [by_n[n]["key"]["sample_id"] for n in (0, 1)] == ["uid-2", "uid-2"]
     assert by_n[1]["close_reason"] == "shutdown"  # never told done: closed when the proxy stops
 
 
@@ -284,6 +297,56 @@ def test_outputs_and_text_for_tool_spans_come_from_the_plugin_settings(tmp_path:
     assert "--token2text" not in read_settings(_config()).proxy_args  # no local tokenizer
 
 
+def test_verls_default_token2text_is_not_a_users_choice(tmp_path: Path) -> None:
+    """verl ships `trace.token2text: false`, and its composed config does not say who set a
+    value: at verl's default it leaves decoding to the local tokenizer; only a value other
+    than verl's, or `trace_proxy.token2text`, decides (tests/real/test_verl_settings.py runs
+    this on verl's own composed config)."""
+    shipped = {"backend": None, "token2text": False}  # verl 0.9.1's rollout.yaml
+
+    def decoding(trace: dict[str, Any], ours: dict[str, Any], local: bool) -> list[str]:
+        config = _config(**trace)
+        if local:
+            config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)
+        config["trace_proxy"] = ours
+        args = read_settings(config, shipped).proxy_args
+        return [a for a in args if a in ("--token2text", "--tokenizer")]
+
+    on = ["--token2text", "--tokenizer"]
+    assert decoding({"token2text": False}, {}, local=True) == on  # verl's default, not a choice
+    assert decoding({}, {}, local=True) == on
+    assert decoding({"token2text": False}, {}, local=False) == []  # nothing to decode with
+    assert decoding({"token2text": True}, {}, local=False) == ["--token2text"]  # the user's
+    assert decoding({"token2text": False}, {"token2text": False}, local=True) == []
+    assert decoding({"token2text": True}, {"token2text": "false"}, local=True) == []  # ours wins
+    # A verl that shipped true: its false would be the user's, and turn decoding off.
+    config = _config(token2text=False)
+    config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)
+    assert "--token2text" not in read_settings(config, {"token2text": True}).proxy_args
+
+
+def test_verls_defaults_are_read_from_the_verl_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without verl, no default is known and verl's value is taken as set; with it, its
+    rollout.yaml (where verl's trainer configs take the trace block from) says the default."""
+    from trace_proxy.integrations.verl.settings import verl_trace_defaults
+
+    assert verl_trace_defaults() == {}  # this venv has no verl
+    rollout = tmp_path / "verl" / "trainer" / "config" / "rollout"
+    rollout.mkdir(parents=True)
+    (tmp_path / "verl" / "__init__.py").write_text("")
+    (rollout / "rollout.yaml").write_text(
+        "name: ???\ntrace:\n  _target_: verl.workers.config.TraceConfig\n"
+        "  project_name: ${oc.select:trainer.project_name,null}\n  token2text: False\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert verl_trace_defaults()["token2text"] is False
+    config = _config(token2text=False)
+    config["actor_rollout_ref"]["model"]["path"] = str(tmp_path)
+    assert "--token2text" in read_settings(config).proxy_args
+
+
 async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed_around(
     tmp_path: Path, qwen_tokenizer: Any, start_fake: Any, closed_url: str
 ) -> None:
@@ -323,3 +386,112 @@ async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed
         [record] = trajectories(tmp_path / output)
         assert record["close_reason"] == "done" and record["reward"] == 1.0
         assert record["calls"][0]["upstream"] == f"http://{server}"
+
+
+class WorkerStandIn:
+    """verl 0.9.1's v1 agent-loop worker as the tracing mixin meets it (`AgentLoopWorkerTQ`,
+    verl/trainer/ppo/v1/agent_loop_tq.py, over verl/experimental/agent_loop/agent_loop.py):
+    `_run_agent_loop` runs the agent loop, whose generates go through verl's LLM client (here
+    as the plugin's transport sends them: tagged with the run, through the proxy, counted on
+    it), then `_agent_loop_postprocess` computes the score (`_compute_score` sets
+    `reward_score` on the last output) and puts the sample into the TransferQueue, where the
+    trainer takes it; `_run_agent_loop` returns only after that."""
+
+    def __init__(self, link: ProxyLink, server_id: str, prompt: list[int],
+                 hand_over: Any) -> None:  # fmt: skip
+        self.llm_client = type("Client", (), {"_trace_proxy_link": link})()
+        self.server_id, self.prompt, self.hand_over = server_id, prompt, hand_over
+
+    async def _run_agent_loop(self, sampling_params: dict[str, Any], trajectory: dict[str, Any],
+                              **kwargs: Any) -> None:  # fmt: skip
+        from trace_proxy.integrations.verl.context import CURRENT_RUN
+
+        link: ProxyLink = self.llm_client._trace_proxy_link
+        run = CURRENT_RUN.get()
+        assert run is not None
+        await link.generate(self.server_id, run.tags, self.prompt, dict(sampling_params),
+                            request_id=f"r{kwargs['session_id']}")  # fmt: skip
+        run.generates += 1
+        run.admin_urls.add(str(link.admin_url))
+        output = type("AgentLoopOutput", (), {"reward_score": None})()
+        await self._compute_score([output], kwargs=kwargs)
+        await self.hand_over(run.tags.trajectory_id)
+
+    async def _compute_score(self, outputs: list[Any], kwargs: dict[str, Any]) -> None:
+        outputs[-1].reward_score = 0.5
+
+
+async def test_a_sample_is_closed_done_before_verl_hands_it_to_the_trainer(
+    tmp_path: Path, qwen_tokenizer: Any, start_fake: Any
+) -> None:
+    """v1's worker gives the trainer each sample before `_run_agent_loop` returns: the trainer
+    may end the run then. By that moment the proxy has the trajectory closed as done, with
+    verl's reward, and it is closed once."""
+    from trace_proxy.integrations.verl.worker import traced_worker_class
+
+    fake = FakeVLLM(qwen_tokenizer, model="tiny-qwen", deterministic=True)
+    server_id = (await start_fake(fake)).removeprefix("http://")
+    settings = {"register_upstreams": True, "admin_token": TOKEN}
+    async with running_proxy([], tmp_path, **settings) as (service, proxy_url):
+        link = ProxyLink(proxy_url, service.addresses.admin, TOKEN, LIMITS)  # type: ignore[union-attr]
+        closed_when_handed_over: dict[str, list[dict[str, Any]]] = {}
+
+        async def hand_over(trajectory_id: str) -> None:  # what the trainer could see by now
+            await service.flush()
+            found = trajectories(tmp_path)
+            closed_when_handed_over[trajectory_id] = [
+                r for r in found if r["key"]["trajectory_id"] == trajectory_id
+            ]
+
+        worker_class = traced_worker_class(WorkerStandIn, "proj", "exp")
+        worker = worker_class.__new__(worker_class)  # verl's __init__ needs verl's config
+        WorkerStandIn.__init__(worker, link, server_id, qwen_tokenizer.encode("Say hi"), hand_over)
+        trajectory = {"step": 4, "sample_index": 2, "rollout_n": 0, "validate": False}
+        await asyncio.gather(*(worker._run_agent_loop(dict(SAMPLING), trajectory=trajectory,
+                                                      session_id=n) for n in range(2)))  # fmt: skip
+        await service.flush()
+        assert link._session is not None
+        await link._session.close()
+    assert len(closed_when_handed_over) == 2
+    for [record] in closed_when_handed_over.values():
+        assert record["close_reason"] == "done" and record["reward"] == 0.5
+    stored = [r for r in (json.loads(line) for path in tmp_path.rglob("*.jsonl")
+                          for line in path.read_text().splitlines())]  # fmt: skip
+    assert sorted(r["record"] for r in stored if r["record"] != "step_summary") == [
+        "trajectory",
+        "trajectory",
+    ]  # closed once: no reward left over as an annotation
+
+
+class _GatedServer:
+    """verl 0.9.1's server actor state the plugin reads (`vllm_async_server.py`): the gate,
+    whether it rejects late arrivals, `global_steps`; `syncs` plays a weight sync after the
+    gate has been read closed that many times (the trainer's `set_global_steps` and resume)."""
+
+    def __init__(self, closed: bool, rejecting: bool = False, syncs: int = 0) -> None:
+        self._submission_paused, self._rejecting, self.global_steps = closed, rejecting, 3
+        self.syncs, self.reads = syncs, 0
+
+    async def call(self, fn: Any) -> Any:  # what `__ray_call__.remote(fn)` runs in the actor
+        found = fn(self)
+        self.reads += 1
+        if self._submission_paused and self.reads == self.syncs:
+            self.global_steps, self._submission_paused = 4, False
+        return found
+
+    @property
+    def __ray_call__(self) -> Any:
+        return type("Method", (), {"remote": staticmethod(self.call)})
+
+
+async def test_a_call_is_admitted_with_the_version_in_force_once_the_gate_opens() -> None:
+    """The version verl's server would return: read with its gate open; while a sync holds
+    the gate closed the call waits for it, as verl's `generate` does, and gets the version the
+    sync set; a gate that rejects late arrivals gives verl's `aborted` answer at once."""
+    from trace_proxy.integrations.verl.admission import admit
+
+    assert await admit(_GatedServer(closed=False)) == Admission(3, rejected=False)
+    server = _GatedServer(closed=True, syncs=2)
+    assert await admit(server) == Admission(4, rejected=False)
+    assert server.reads == 3  # closed, closed (then the sync), open
+    assert await admit(_GatedServer(closed=True, rejecting=True)) == Admission(3, rejected=True)

@@ -1,14 +1,16 @@
-"""`trace-proxy serve | demo | show | ui | replay | export`: the command line, from the declared
-options."""
+"""`trace-proxy serve | demo | show | ui | replay | export | recover`: the command line, from
+the declared options."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import sys
 from collections.abc import Coroutine, Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from trace_proxy.config import (
@@ -21,6 +23,7 @@ from trace_proxy.config import (
 from trace_proxy.logtext import configure_logging
 
 EXIT_USAGE = 2
+log = logging.getLogger(__name__)
 
 DESCRIPTION = """\
 A transparent reverse proxy in front of vLLM / SGLang servers that records every generate call
@@ -67,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
     show.add_argument("--width", type=int, default=100, help="characters of text per call line")
 
+    recover = commands.add_parser(
+        "recover",
+        help="write to the store what a killed proxy left in its spool",
+        description="Write to each store under DIRECTORY (replicas included) the records "
+        "its proxy spooled but could not write before it was killed with all its processes; "
+        "from where that proxy's jsonl backend stopped, so nothing is written twice. A spool "
+        "a running proxy holds is left alone.",
+    )
+    recover.add_argument("directory", nargs="+", help="the --output directory of serve")
+    add_options(recover, "recover")
+
     from trace_proxy.dataset.command import add_export_command
     from trace_proxy.replay.command import add_replay_command
     from trace_proxy.ui.command import add_ui_command
@@ -112,6 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 0
     extra = {k: args.pop(k) for k in ("samples", "rollouts", "steps") if k in args}
+    directories = [Path(d) for d in args.pop("directory", [])]
     try:
         settings = resolve(command, args)
         if command == "serve" and not settings.upstream and not settings.register_upstreams:
@@ -124,6 +139,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
     # Our own messages at the chosen level; libraries' chatter only when it is a warning.
     configure_logging("%(asctime)s %(levelname)s %(name)s: %(message)s", settings.log_level)
+    if command == "recover":
+        from trace_proxy.processes.recover import recover
+
+        missing = [str(d) for d in directories if not d.is_dir()]
+        if missing:
+            print(f"trace-proxy: error: not a directory: {', '.join(missing)}", file=sys.stderr)
+            return EXIT_USAGE
+        return _run(recover(directories, settings, sys.stdout))
     if command == "serve":
         from trace_proxy.processes.helper import tune_malloc
 
@@ -155,6 +178,10 @@ async def _serve(settings: Settings) -> int:
     except ConfigError as exc:
         print(f"trace-proxy: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    if settings.lifeline_fd is not None:
+        _end_with_starter(settings, loop, stopping)
     try:
         addresses = await service.start()
     except (TokenizerError, ConfigError) as exc:
@@ -169,14 +196,11 @@ async def _serve(settings: Settings) -> int:
               f"{exc.strerror or exc}", file=sys.stderr)  # fmt: skip
         await service.stop()
         return 1
-    print(
+    _say(
         f"trace-proxy: forwarding {addresses.proxy} -> {_targets(settings)}; "
         f"records -> {', '.join(settings.backend)} ({settings.output}); "
-        f"metrics at {addresses.admin}/metrics, readiness at {addresses.admin}/ready",
-        flush=True,
+        f"metrics at {addresses.admin}/metrics, readiness at {addresses.admin}/ready"
     )
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stopping.set)
     failure = service.failure
@@ -190,12 +214,45 @@ async def _serve(settings: Settings) -> int:
         print(f"trace-proxy: error: {_start_error(failure.result())}", file=sys.stderr,
               flush=True)  # fmt: skip
         code = EXIT_USAGE
-    print("trace-proxy: stopping: draining in-flight requests, then flushing records", flush=True)
+    _say("trace-proxy: stopping: draining in-flight requests, then flushing records")
     await service.stop()
     left = service.backlog
     spooled = f"; left in the spool: {_counts(left)}" if left is not None else ""
-    print(f"trace-proxy: stopped{spooled}", flush=True)
+    _say(f"trace-proxy: stopped{spooled}")
     return code
+
+
+def _say(line: str) -> None:
+    """A line on stdout; when no one reads it any more (the process that started the proxy
+    has died with the pipe's other end), this and every later line go nowhere instead."""
+    try:
+        print(line, flush=True)
+    except OSError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def _end_with_starter(
+    settings: Settings, loop: asyncio.AbstractEventLoop, stopping: asyncio.Event
+) -> None:
+    """--lifeline-fd: when the process that started the proxy ends, stop as on SIGTERM, all
+    of it within `orphan_bound` (processes/lifeline.py)."""
+    from trace_proxy.processes.lifeline import exit_by, orphan_bound, watch_pipe
+
+    assert settings.lifeline_fd is not None
+    bound = orphan_bound(settings.shutdown_grace)
+
+    def ended() -> None:
+        log.warning("trace-proxy: the process that started it has ended: draining what it "
+                    "holds, within %.0f s", bound)  # fmt: skip
+        exit_by(bound, "proxy", "the process that started it has ended")
+        stopping.set()
+
+    def from_the_watcher() -> None:
+        loop.call_soon_threadsafe(ended)
+
+    watch_pipe(settings.lifeline_fd, from_the_watcher)
 
 
 def _targets(settings: Settings) -> str:

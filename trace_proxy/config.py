@@ -352,6 +352,12 @@ class Settings:
         parse_seconds, 30.0, "on SIGTERM/SIGINT, seconds to let in-flight "
         "requests finish before records are flushed, and then for the backends to catch up; "
         "helper processes whose proxy was killed finish within it", metavar="SECONDS")
+    lifeline_fd: int | None = option(
+        parse_optional_count, None, "the read end of a pipe the process that "
+        "started the proxy holds the write end of (inherited descriptor number): when it "
+        "reads end of file, that process has ended however it ended, and the proxy stops as "
+        "on SIGTERM, gone within twice --shutdown-grace and 10 s more",
+        metavar="FD", commands=("serve",))
     map: list[str] = option(
         _mapping, ["header:X-Session-ID=trajectory_id"],
         "take a key field from what clients already send: SOURCE:NAME=FIELD or "
@@ -362,23 +368,24 @@ class Settings:
     token2text: bool = option(
         parse_flag, False, "decode token ids to text (prompt_text, "
         "response_text, transcript) for recorded trajectories, off the forwarding path",
-        switch=True, commands=("serve", "demo"))
+        switch=True, commands=("serve", "demo", "recover"))
     tokenizer: list[str] = option(
         parse_tokenizer, [], "tokenizer for token2text: a local path or a name "
         "in the Hugging Face cache, or MODEL=PATH per served model (repeatable; default: ask "
         "the upstream for its model path)", multiple=True, metavar="PATH",
-        commands=("serve", "demo"))
+        commands=("serve", "demo", "recover"))
     skip_special_tokens: bool = option(
         parse_flag, False, "drop special tokens from decoded text "
-        "(kept by default, as verl does)", switch=True, commands=("serve", "demo"))
+        "(kept by default, as verl does)", switch=True, commands=("serve", "demo", "recover"))
     drift_check: bool = option(
         parse_flag, True, "with token2text, mark calls whose token ids drift: the next "
         "prompt leaves their prompt and response ids, or their response ids do not encode "
-        "back from their text (costs an encode of each response)", commands=("serve", "demo"))
+        "back from their text (costs an encode of each response)",
+        commands=("serve", "demo", "recover"))
     tool_parser: str = option(
         _tool_parser, "hermes", "how tool calls are written in decoded text: "
         "hermes (Qwen2.5/Qwen3), qwen3_coder or gpt_oss", metavar="NAME",
-        commands=("serve", "demo"))
+        commands=("serve", "demo", "recover"))
     tool_route: list[str] = option(
         parse_tool_route, [], "forward /PREFIX/... to an HTTP tool server and "
         "record each call as a tool span: PREFIX=URL (repeatable)", multiple=True,

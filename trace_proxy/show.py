@@ -22,6 +22,7 @@ from typing import Any, TextIO
 
 from trace_proxy.logtext import printable
 from trace_proxy.store.annotations import apply_annotations
+from trace_proxy.store.leftovers import leftovers, notice
 from trace_proxy.store.readers import iter_records, run_records, runs
 from trace_proxy.store.replicas import merged_summary, one_per_trajectory, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
@@ -84,11 +85,16 @@ def show(
                 write(_tool_line(tool, width))
             for call, prompt in zip(calls, expand_prompts(record), strict=True):
                 write(_call_line(call, prompt, width))
+                for number, segment in enumerate(call.get("segments") or [], 1):
+                    write(_segment_line(number, segment))
                 for tool in tools_after.get(call.get("index"), []):
                     write(_tool_line(tool, width))
             shown += 1
     write(f"{shown} trajectories, {events} step events under "
           f"{', '.join(map(str, shown_roots))}")  # fmt: skip
+    left = leftovers(shown_roots)
+    if left:
+        print(printable(notice(left)), file=sys.stderr)
     return 0
 
 
@@ -172,6 +178,8 @@ def _trajectory_header(t: dict[str, Any]) -> str:
         parts.append("validation")
     if key.get("trajectory_id"):
         parts.append(f"id {key['trajectory_id']}")
+    if key.get("sample_id"):
+        parts.append(f"sample id {key['sample_id']}")
     summary = t.get("summary") or {}
     duration = (t.get("end") or 0) - (t.get("start") or 0)
     part = f", part {t['part']}" if t.get("part", 1) > 1 else ""
@@ -182,6 +190,10 @@ def _trajectory_header(t: dict[str, Any]) -> str:
         part += f"; {summary['calls_dropped']} more calls not recorded (capture fell behind)"
     if summary.get("drift_calls"):
         part += f"; {summary['drift_calls']} calls with retokenization drift"
+    low, high = t.get("weight_version_min"), t.get("weight_version_max")
+    if low is not None:
+        part += f"; version {low}" if low == high else f"; versions {low} to {high}"
+        part += ", partial rollout" if t.get("partial_rollout") else ""
     return (
         f"== {' · '.join(parts)}  [{t.get('status')}, closed: {t.get('close_reason')}{part}]  "
         f"{summary.get('calls', 0)} calls, {summary.get('prompt_tokens', 0)}+"
@@ -196,6 +208,8 @@ def _call_line(call: dict[str, Any], prompt: dict[str, Any], width: int) -> str:
         f"  #{call.get('index')} {call.get('dialect', '?'):<18} {call.get('http_status') or '---'} "
         f"{stream} {end - start:6.2f}s"
     )
+    if call.get("weight_version") is not None:
+        head += f" v{call['weight_version']}"
     if call.get("unparsed"):
         return f"{head}  unparsed: {call['unparsed']}"
     asked = _clip(_asked(call, prompt), width // 2)
@@ -208,6 +222,20 @@ def _call_line(call: dict[str, Any], prompt: dict[str, Any], width: int) -> str:
             line += f"  ~ {kind} drift at {found.get('at')}: {_token(found, 'expected')} -> "
             line += _token(found, "got")
     return line
+
+
+def _segment_line(number: int, segment: dict[str, Any]) -> str:
+    """One attempt of a resumed call: its version, what it carried over, why it stopped."""
+    start, end = segment.get("start") or 0, segment.get("end") or segment.get("start") or 0
+    version = segment.get("weight_version")
+    carried = segment.get("carried_tokens")
+    return (
+        f"     attempt {number} {end - start:6.2f}s"
+        + (f"  version {version}" if version is not None else "")
+        + (f"  carried {carried} tokens" if carried else "")
+        + f"  generated {segment.get('tokens', '?')} tokens"
+        + f"  [{segment.get('finish_reason') or segment.get('http_status') or '?'}]"
+    )
 
 
 def _token(found: dict[str, Any], which: str) -> str:

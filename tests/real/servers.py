@@ -102,7 +102,10 @@ def _launch_vllm(provisioned: Provisioned, work_dir: Path) -> _Launched:
         model_dir=provisioned.model_dir,
         log_path=work_dir / "vllm.log",
     )
-    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REAL_TESTS_DIR)}
+    # VLLM_SERVER_DEV_MODE: /pause and /resume, which verl's server actor calls in-process
+    # around a weight sync (its stand-in, verl_harness/server.py, calls them over HTTP).
+    env = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": str(REAL_TESTS_DIR),
+           "VLLM_SERVER_DEV_MODE": "1"}  # fmt: skip
     return _launch("vLLM", cmd, env, server)
 
 

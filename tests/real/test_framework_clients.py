@@ -10,6 +10,8 @@ the metadata the framework sends (SkyRL's `X-Session-ID` and `/finish_session`, 
 rllm's gateway). The two rollouts of the first sample are greedy and so identical: no traffic
 can tell their second turns apart, and each must start a trajectory of its own marked
 `inferred:ambiguous` rather than be attached to either (unless the client names its sessions).
+skyrl-train is also run from the proxy's first seconds, before its tokenizer has loaded, on a
+GRPO group of sampled rollouts that only decoding tells apart.
 
 slime and rllm's own engines are not on PyPI; their wire formats are those of the SGLang
 `/generate` and OpenAI clients exercised here (see docs/integrations/).
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import socket
 import time
@@ -29,8 +32,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from proxy_helpers import running_proxy, trajectories
+from proxy_helpers import HeldLoader, release_as_stop_begins, running_proxy, trajectories
 
+from trace_proxy.config import Settings
+from trace_proxy.processes import recorder as recorder_module
+from trace_proxy.proxy.service import ProxyService
 from trace_proxy.trajectories.prompts import expand_prompts
 
 if TYPE_CHECKING:
@@ -52,12 +58,14 @@ Json = dict[str, Any]
 
 
 async def _drive(
-    python: Path, client: str, urls: list[str], model_dir: Path, out: Path
+    python: Path, client: str, urls: list[str], model_dir: Path, out: Path, *options: str
 ) -> list[Json]:
-    """The workload once per URL, in that order, in one process of the frameworks venv."""
+    """The workload once per URL, in that order, in one process of the frameworks venv
+    (`options`: drive.py's, e.g. `--group 4`)."""
     process = await asyncio.create_subprocess_exec(
         str(python),
         str(DRIVER),
+        *options,
         client,
         str(model_dir),
         str(out),
@@ -156,6 +164,60 @@ async def test_a_framework_client_through_the_proxy(
     # The one address change is all the framework sees: what it got back is the same.
     assert proxied["rollouts"] == direct["rollouts"]
     _check_store(client, route, proxied["rollouts"], trajectories(store))
+
+
+async def test_skyrl_train_from_the_proxy_s_first_seconds(
+    real_vllm: RealServer,
+    frameworks_python: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """skyrl-train's RemoteInferenceEngine (batched /v1/completions, replies kept as text,
+    re-encoded into the next prompt) pointed at a proxy that has just started with
+    `--tokenizer`, then the proxy stopped, as a short training script ends: a GRPO group of four
+    sampled rollouts, whose second turns only decoding tells apart. The tokenizer is still
+    loading all along (held until the stop begins; capture in the proxy's process, where the
+    test can hold it): each rollout is one two-turn trajectory all the same, none ambiguous."""
+    loader = HeldLoader()
+    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    model_dir = real_vllm.model_dir
+    store = tmp_path / "store"
+    settings = dataclasses.replace(
+        Settings(), upstream=[real_vllm.base_url], port=0, admin_port=0, output=store,
+        capture_mode="inline", export_mode="inline", tokenizer=[str(model_dir)],
+        idle_timeout=3600.0,
+    )  # fmt: skip
+    service = ProxyService(settings)
+    addresses = await service.start()  # traffic from now on: no wait for /ready
+    release_as_stop_begins(service, loader)
+    try:
+        [run] = await _drive(
+            frameworks_python, "skyrl-train-vllm", [addresses.proxy], model_dir,
+            tmp_path / "out.json", "--group", "4",
+        )  # fmt: skip
+    finally:
+        await service.stop()
+        loader.released.set()
+    rollouts = run["rollouts"]
+    records = trajectories(store)
+    replies = [r["turns"][0]["text"] for r in rollouts]
+    assert len(set(replies)) == len(replies), "sampled replies that happen to be equal"
+    ambiguous = [r for r in records if r["key"]["sources"]["trajectory_id"] == "inferred:ambiguous"]
+    assert not ambiguous
+    assert len(records) == len(rollouts) == 4
+    owners = []  # each trajectory: every turn of one rollout, its prompt ids and reply
+    for record in records:
+        prompts = expand_prompts(record)
+        [owner] = [
+            r["session"]
+            for r in rollouts
+            if len(record["calls"]) == len(r["turns"])
+            and all(map(_same_turn, record["calls"], prompts, r["turns"]))
+        ]
+        owners.append(owner)
+    assert sorted(owners) == sorted(r["session"] for r in rollouts)
+    assert sorted(r["key"]["rollout_n"] for r in records) == [0, 1, 2, 3]
+    assert len({r["key"]["sample_hash"] for r in records}) == 1
 
 
 def _same_turn(call: Json, prompt: Json, turn: Json) -> bool:

@@ -95,6 +95,34 @@ def _sglang_traffic() -> list[tuple[str, Json]]:
                                   "stream_options": {"include_usage": True}}),
         ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "stream": True,
                                   "return_token_ids": True}),  # refused: 400 error body
+        *_sglang_refusals(),
+    ]  # fmt: skip
+
+
+def _sglang_refusals() -> list[tuple[str, Json]]:
+    """What SGLang refuses, on a fake whose context is SGLANG_LIMITS' (2,048 tokens): a prompt
+    the context cannot hold (400), one within the scheduler's reserve (400, or streamed: an
+    abort carrying its status, an error event), an empty batch (`[]`), the OpenAI routes'
+    validation (400 `ErrorResponse`)."""
+    full = list(range(1, SGLANG_LIMITS.max_model_len + 1))
+    near = full[:-4]  # passes the manager, within the scheduler's 6-token reserve
+    long_chat = [{"role": "user", "content": "word " * SGLANG_LIMITS.max_model_len}]
+    usage = {"stream_options": {"include_usage": True}}
+    return [
+        ("/generate", {"input_ids": full, "sampling_params": {"max_new_tokens": 2}}),
+        ("/generate", {"input_ids": near}),
+        ("/generate", {"input_ids": [near, PROMPT_IDS], "stream": True, "rid": ["n", "p"],
+                       "sampling_params": {"max_new_tokens": 2}}),
+        ("/generate", {"text": [], "sampling_params": {"max_new_tokens": 2}}),
+        ("/v1/completions", {"model": MODEL, "prompt": ""}),
+        ("/v1/completions", {"model": MODEL, "prompt": full}),
+        ("/v1/completions", {"model": MODEL, "prompt": near, "max_tokens": 1, "stream": True,
+                             **usage}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": []}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": long_chat, "stream": True}),
+        ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "tools": TOOLS,
+                                  "tool_choice": {"type": "function",
+                                                  "function": {"name": "get_time"}}}),
     ]  # fmt: skip
 
 
@@ -146,14 +174,17 @@ async def _documents(
             async with session.post(url + path, json=body) as response:
                 raw = await response.read()
                 status, streamed = response.status, response.content_type == "text/event-stream"
-            if status >= 400:
-                documents.append({"label": f"{label} error", "kind": "openai.error",
+            if status >= 400:  # `/generate`'s 400 is `{"error": ErrorBody}`, as its stream's
+                kind = "generate.stream_error" if path == "/generate" else "openai.error"
+                documents.append({"label": f"{label} error", "kind": kind,
                                   "body": orjson.loads(raw)})  # fmt: skip
             elif streamed:
                 for k, event in enumerate(_events(raw)):
                     kind = chunk_kind
-                    if "error" in event:
-                        kind = "generate.stream_error" if path == "/generate" else "openai.error"
+                    if "error" in event and path == "/generate":
+                        kind = "generate.stream_error"
+                    elif "error" in event:  # `{"error": ErrorResponse}`, nothing beside it
+                        kind, event = "openai.error", event["error"] if len(event) == 1 else event
                     documents.append({"label": f"{label} chunk {k}", "kind": kind, "body": event})
             else:
                 documents.append({"label": f"{label} response", "kind": response_kind,
@@ -208,7 +239,10 @@ async def test_the_sglang_fake_speaks_sglangs_definitions(
     documents: list[Document] = []
     for incremental in (False, True):
         fake = FakeSGLang(
-            qwen_tokenizer, deterministic=True, incremental_streaming_output=incremental
+            qwen_tokenizer,
+            deterministic=True,
+            incremental_streaming_output=incremental,
+            context_length=SGLANG_LIMITS.max_model_len,
         )
         url = await start_fake(fake)
         documents += await _documents(url, _sglang_traffic(), SGLANG_KINDS)
@@ -216,6 +250,12 @@ async def test_the_sglang_fake_speaks_sglangs_definitions(
     assert {"generate.stream_error", "openai.error", "completion.chunk", "chat.chunk"} <= kinds
     assert any(d["body"].get("usage") and not d["body"]["choices"] for d in documents
                if d["kind"] == "chat.chunk")  # fmt: skip
+    refused = [d["body"] for d in documents if d["kind"] == "generate.response"
+               and isinstance(d["body"], dict) and d["body"]["meta_info"]["finish_reason"]
+               and d["body"]["meta_info"]["finish_reason"].get("status_code") == 400]  # fmt: skip
+    assert refused, "the scheduler's streamed refusal was not answered"
+    assert sum(d["kind"] == "openai.error" and d["label"].endswith("error")
+               for d in documents) >= 2 * 6  # fmt: skip
     result = await _validate(sglang_protocol_python, "sglang", {"documents": documents}, tmp_path)
     assert set(result["problems"]) == {d["label"] for d in documents}
     assert _failures(result) == {}

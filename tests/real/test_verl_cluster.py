@@ -1,6 +1,7 @@
 """verl traced on a Ray cluster of three nodes (`verl_harness/cluster.py`, in verl's venv): a
 proxy beside each rollout server, one sampling decision per step across the proxies, one run
-in one store, a proxy killed mid-step costing no training error, nothing left running.
+in one store, a proxy killed mid-step costing no training error, a run ended as verl ends it
+(nothing stopped: Ray kills the actors) losing nothing, nothing left running.
 
 The harness runs once per session, beside the unit tests (it takes about three minutes, most
 of it Ray and verl's workers starting); each test reads what it wrote.
@@ -141,6 +142,33 @@ def test_a_killed_proxy_costs_no_training_error_and_nothing_is_left_running(
     for replica, record in records(work / RUNS["plugin"]):
         if killed["node_id"][:8] not in replica.name:
             assert record["close_reason"] == "done" and record["calls"]
-    for name in RUNS:
-        assert report["runs"][name]["left_running"] == []
     assert report["left_running_after_shutdown"] == []
+
+
+def test_an_actor_ray_restarts_starts_a_proxy_beside_the_one_still_draining(
+    cluster: tuple[Path, dict[str, Any]],
+) -> None:
+    """A proxy's actor killed and started again by Ray while its proxy is still draining: the
+    new actor's proxy writes a replica directory of its own (and listens on new ports), so the
+    two never share a spool; the old one ends all the same (nothing is left running)."""
+    _, report = cluster
+    restarted = report["runs"]["plugin"]["actor_restarted"]
+    before, after = restarted["before"], restarted["after"]
+    assert after["pid"] != before["pid"]
+    assert after["output"].startswith(before["output"] + "-")
+
+
+def test_a_run_ended_as_verl_ends_it_has_every_steps_trajectories_closed_when_their_loop_returned(
+    cluster: tuple[Path, dict[str, Any]],
+) -> None:
+    """Nothing stopped the proxies: Ray killed their actors (with the actors' children and
+    process groups) when the run ended. Every kept trajectory of every step, the last one
+    included, is in the store, closed by its agent loop's end (`done`), not by the proxy's."""
+    work, _ = cluster
+    for traces in RUNS.values():
+        assert {record["key"]["step"] for _, record in records(work / traces)} == set(STEPS)
+    rerun = records(work / RUNS["rerun"])
+    assert [r["close_reason"] for _, r in rerun] == ["done"] * (KEEP * N * len(STEPS))
+    for step in STEPS:
+        chosen = kept(work / RUNS["rerun"], step)
+        assert len(chosen) == KEEP and all(r == list(range(N)) for r in chosen.values())

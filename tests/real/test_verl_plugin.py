@@ -10,8 +10,12 @@ and reward-loop workers (a custom reward function), two training steps and a val
 The same is done for verl's default (v1) trainer's manager, `AgentLoopManagerTQ`: one row per
 prompt, n sessions, outputs read back from TransferQueue as its replay buffer reads them; its
 plugin manager uses the first one's proxy by URL, as with a sidecar.
-The one stand-in is verl's GPU server actor (`verl_harness/server.py`), which asks the real
-vLLM CPU server token-in/token-out. The same batches are generated twice, by verl's own
+v1's asynchronous trainers (`colocate_async`, `separate_async`) are run as well: their manager
+and `FullyAsyncLLMServerClient` across two weight syncs that abort generations in flight and
+resume them on the new version (`verl_harness/partial.py`), with verl's own staleness and
+partial-rollout metrics computed on both runs. The one stand-in is verl's GPU server actor
+(`verl_harness/server.py`), which asks the real vLLM CPU server token-in/token-out and pauses
+and resumes it at a sync as verl's server does. The same batches are generated twice, by verl's own
 manager and through the plugin (which starts its own trace-proxy), and compared.
 """
 
@@ -34,7 +38,10 @@ TOOL_SAMPLE = 3
 
 def _records(work: Path, trainer: str) -> list[dict[str, Any]]:
     """The trajectories of one trainer's run: both runs share the proxy the first started."""
-    experiment = "cpu-agent-loop" + ("-v1" if trainer else "")
+    return _records_of(work, "cpu-agent-loop" + ("-v1" if trainer else ""))
+
+
+def _records_of(work: Path, experiment: str) -> list[dict[str, Any]]:
     found = []
     for path in sorted((work / "traces").rglob("*.jsonl")):
         for line in path.read_text().splitlines():
@@ -107,6 +114,8 @@ def test_store_holds_every_rollout_with_verls_numbers(verl_run: Path, trainer: s
 
 @TRAINERS
 def test_tool_turns_are_tool_spans(verl_run: Path, trainer: str) -> None:
+    """With only the documented overrides: verl's own `trace.token2text` stays at its default
+    (false), and the local model directory's tokenizer decodes the calls all the same."""
     records = [r for r in _records(verl_run, trainer) if r["key"]["sample_index"] == TOOL_SAMPLE]
     assert records
     for record in records:
@@ -119,3 +128,67 @@ def test_tool_turns_are_tool_spans(verl_run: Path, trainer: str) -> None:
         assert tool["end"] <= record["calls"][1]["start"]
     single = [r for r in _records(verl_run, trainer) if r["key"]["sample_index"] != TOOL_SAMPLE]
     assert all(len(r["calls"]) == 1 and not r["tools"] for r in single)
+
+
+# Asynchronous training: v1's async trainers' manager and client across weight syncs
+# (verl_harness/partial.py): batch A started on version 0 and aborted mid-generation by the
+# sync to 1, batch B started on 1, both aborted mid-generation by the sync to 2, batch C on 2.
+PARTIAL_EXPERIMENT = "cpu-partial-rollout"
+VERSIONS_BY_BATCH = {"A": ["0", "1", "2"], "B": ["1", "2"], "C": ["2"]}
+
+
+def test_partial_rollouts_give_verl_its_own_batches_and_metrics(verl_run: Path) -> None:
+    """Generations aborted at weight syncs and resumed on new weights: with the plugin, verl
+    gets the same tokens, masks, log probs and the same oldest and newest version of each
+    sample as without it, so its staleness (v1 `_compute_metrics`) and partial-rollout
+    (`detach_utils`) metrics are the same numbers."""
+    own = json.loads((verl_run / "partial-async-verl.json").read_text())
+    traced = json.loads((verl_run / "partial-async-plugin.json").read_text())
+    fields = ("batches", "prompts", "responses", "response_mask", "rollout_log_probs",
+              "min_global_steps", "max_global_steps", "v1_metrics", "partial_stats")  # fmt: skip
+    for field in fields:
+        assert traced[field] == own[field], field
+    # The schedule ran as planned on verl's own path: versions as the syncs set them.
+    spans = {(b, lo, hi) for b, lo, hi in zip(own["batches"], own["min_global_steps"],
+                                              own["max_global_steps"], strict=True)}  # fmt: skip
+    assert spans == {("A", 0, 2), ("B", 1, 2), ("C", 2, 2)}
+    assert own["partial_stats"]["fully_async/partial/total_partial_num"] == 8
+    assert own["v1_metrics"]["training/off_policy/trajectory_spans/max"] == 3
+
+
+def test_each_resumed_call_is_stored_once_with_its_attempts_and_versions(verl_run: Path) -> None:
+    """One call per rollout, its attempts in order, each with the version the server had at
+    that attempt, the tokens carried over and why it stopped; the trajectory's sample id,
+    oldest and newest version and partial flag are verl's."""
+    traced = json.loads((verl_run / "partial-async-plugin.json").read_text())
+    verl_rows = {}
+    for row, uid in enumerate(traced["uids"]):
+        verl_rows[(uid, row % 2)] = row  # sample-major, sessions in order
+    records = _records_of(verl_run, PARTIAL_EXPERIMENT)
+    assert len(records) == len(verl_rows)
+    for record in records:
+        key = record["key"]
+        row = verl_rows[(key["sample_id"], key["rollout_n"])]
+        batch = traced["batches"][row]
+        [call] = record["calls"]  # every attempt merged into the one call verl made
+        versions = VERSIONS_BY_BATCH[batch]
+        alone = {"weight_version": call["weight_version"], "carried_tokens": 0,
+                 "finish_reason": call["outputs"][0]["finish_reason"]}  # fmt: skip
+        attempts = call["segments"] or [alone]
+        assert [a["weight_version"] for a in attempts] == versions
+        assert [a["finish_reason"] for a in attempts] == ["abort"] * (len(versions) - 1) + [
+            "length"]  # fmt: skip
+        carried = 0
+        for attempt in attempts:
+            assert attempt["carried_tokens"] == carried
+            carried += attempt.get("tokens", len(call["outputs"][0]["token_ids"]))
+        for attempt in attempts[:-1]:
+            assert attempt["tokens"] > 0  # aborted mid-generation, its tokens carried over
+        generated = call["outputs"][0]["token_ids"]
+        response = traced["responses"][row]
+        assert generated == response[: len(generated)] and len(generated) == carried
+        assert call["weight_version"] == versions[-1]
+        assert (record["weight_version_min"], record["weight_version_max"]) == (
+            str(traced["min_global_steps"][row]), str(traced["max_global_steps"][row]))  # fmt: skip
+        assert record["partial_rollout"] is (batch != "C")
+        assert key["sources"]["sample_id"] == "header:X-Rollout-Sample-Id"

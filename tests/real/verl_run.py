@@ -36,6 +36,9 @@ from .servers import REAL_TESTS_DIR, RealServer
 
 REPO = REAL_TESTS_DIR.parent.parent
 VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
+# verl's fully async rollouter: its own run, started by its module fixture after verl's tests
+# (so that its traffic to the vLLM server never overlaps the runs they compare)
+FULLY_ASYNC_TESTS = REAL_TESTS_DIR / "test_verl_fully_async.py"
 CLUSTER_TESTS = REAL_TESTS_DIR / "test_verl_cluster.py"
 HOSTILE_TESTS = REAL_TESTS_DIR / "test_hostile_environment.py"
 RUN_TIMEOUT_S = 1500.0
@@ -46,8 +49,16 @@ def is_verl_test(item: pytest.Item) -> bool:
     return item.path.resolve() == VERL_TESTS
 
 
+def is_fully_async_test(item: pytest.Item) -> bool:
+    return item.path.resolve() == FULLY_ASYNC_TESTS
+
+
 def uses_real_vllm(item: pytest.Item) -> bool:
-    return "real_vllm" in getattr(item, "fixturenames", ()) and not is_verl_test(item)
+    return (
+        "real_vllm" in getattr(item, "fixturenames", ())
+        and not is_verl_test(item)
+        and not is_fully_async_test(item)
+    )
 
 
 class VerlRun:
@@ -71,16 +82,22 @@ class VerlRun:
         verl run of its own); the run to start with the first test after the last other one
         that uses the real vLLM server (None: no test comes between, verl's fixture starts it)."""
         verl = [item for item in items if is_verl_test(item)]
+        fully_async = [item for item in items if is_fully_async_test(item)]
         cluster = [item for item in items if is_cluster_test(item)]
         hostile = [item for item in items if item.path.resolve() == HOSTILE_TESTS]
-        items[:] = [i for i in items if i not in verl and i not in cluster and i not in hostile]
-        items += verl + cluster + hostile
+        at_the_end = verl + fully_async + cluster + hostile
+        items[:] = [item for item in items if item not in at_the_end]
+        items += at_the_end
         if not any(item.get_closest_marker("skip") is None for item in verl):
             return
         last = max((i for i, item in enumerate(items) if uses_real_vllm(item)), default=-1)
         following = next(item for item in items[last + 1 :] if not item.get_closest_marker("skip"))
         self.start_with = (
-            None if is_verl_test(following) or is_cluster_test(following) else following
+            None
+            if is_verl_test(following)
+            or is_cluster_test(following)
+            or is_fully_async_test(following)
+            else following
         )
 
     def start(self, vllm: RealServer, work: Path) -> None:

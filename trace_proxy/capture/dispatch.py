@@ -18,7 +18,13 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from trace_proxy.capture.control import parse_event
 from trace_proxy.capture.dialects import DIALECTS, PROMPT_IDS, ParsedCall, ParseError
-from trace_proxy.capture.dialects.common import decode_request, exchange_failure, new_call
+from trace_proxy.capture.dialects.common import (
+    decode_request,
+    exchange_failure,
+    new_call,
+    stream_failure,
+    weight_version_header,
+)
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.routes import RouteKind, classify
@@ -121,8 +127,11 @@ class Dispatcher:
             log.exception("parser %s failed on %s", dialect, printable(exchange.path))
             parsed = [self._unparsed(exchange, dialect, request, f"parser error: {exc!r}")]
         ids = request.get(ids_field) if ids_text is not None and ids_field else None
+        version = weight_version_header(exchange.request_headers)
         calls = []
         for item in parsed:
+            if item.call.weight_version is None:  # the server's own report wins
+                item.call.weight_version = version
             found = resolved.get(id(item.body))
             hints = found or self._resolver.resolve(
                 exchange.request_headers, exchange.path_metadata, item.body
@@ -190,7 +199,7 @@ class Dispatcher:
         call = new_call(exchange, dialect, {})
         call.stream = bool(body.get("stream"))
         call.unparsed = reason
-        call.error = exchange_failure(exchange)
+        call.error = exchange_failure(exchange) or stream_failure(exchange)
         return ParsedCall(call, body)
 
 

@@ -87,6 +87,7 @@ class CaptureStage:
         self._decoders: asyncio.Future[None] | None = None  # while the tokenizer loads
         self.waiting_for_decoders = False  # a call waits for the tokenizer right now
         self._decoder_deadline = 0.0
+        self._decoders_given_up: asyncio.Future[None] | None = None  # ends a wait under way
         self._decoder_waits = children(metrics.inference_decoder_waits)
         # Are exchanges still to be read (the capture process's socket)? Between bursts of
         # parsing, reading comes first (see `_intake_first`).
@@ -350,14 +351,27 @@ class CaptureStage:
             if self._overflow_empty.is_set():
                 return
 
-    async def stop(self, parse_within: float | None = None) -> None:
+    async def stop(
+        self, parse_within: float | None = None, decoders_within: float | None = None
+    ) -> None:
         """Parse everything already queued (within `parse_within` seconds, if given: what is
         left then counts in its trajectory as a dropped call, `shutdown`), then close every
-        open trajectory."""
+        open trajectory. A call waiting for the tokenizer still loading (`wait_for_decoders`)
+        waits for it up to `decoders_within` seconds more (by default half of `parse_within`):
+        what is queued behind it is then parsed in the time left, not counted dropped."""
         self._draining += 1  # never undone: the worker stops below
         self._hurry()
+        if decoders_within is None and parse_within is not None:
+            decoders_within = parse_within / 2
+        give_up = (
+            asyncio.get_running_loop().call_later(decoders_within, self._give_up_decoders)
+            if decoders_within is not None and self._decoders is not None
+            else None
+        )
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._parsed_all(), parse_within)
+        if give_up is not None:
+            give_up.cancel()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -477,14 +491,25 @@ class CaptureStage:
         decoders = self._decoders
         if decoders is None:
             return
-        left = self._decoder_deadline - asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        left = self._decoder_deadline - loop.time()
         if left > 0:
             self.waiting_for_decoders = True
-            try:
-                await asyncio.wait({decoders}, timeout=left)  # never cancels what it waits for
+            self._decoders_given_up = given_up = loop.create_future()
+            try:  # `wait` never cancels what it waits for
+                await asyncio.wait(
+                    {decoders, given_up}, timeout=left, return_when=asyncio.FIRST_COMPLETED
+                )
             finally:
                 self.waiting_for_decoders = False
+                self._decoders_given_up = None
         self._decoders = None  # loaded, given up, or waited for as long as allowed
+
+    def _give_up_decoders(self) -> None:
+        """A stop's budget for the tokenizer is spent: no call waits for it any longer."""
+        self._decoder_deadline = 0.0
+        if self._decoders_given_up is not None:
+            _settle(self._decoders_given_up)
 
     def _handle(self, exchange: Exchange, parsed: Parsed | None = None) -> None:
         try:

@@ -22,10 +22,13 @@ from trace_proxy.dataset.writer import ParquetParts, prepare_directory
 from trace_proxy.trajectories.token2text import decoder_for
 from trace_proxy.trajectories.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
 
-FORMS = ("sft", "rl")
 NO_MESSAGES = (
     "trajectories without text for messages (null; recorded without a tokenizer: --tokenizer "
     "decodes them)"
+)
+UNPARSED = (
+    "trajectories with prompt text in no chat template the tool parser knows (kept as user "
+    "messages marked unparsed)"
 )
 
 
@@ -65,6 +68,8 @@ def write_dataset(
             row = sft_row(record, parser)
             if row["messages"] is None:
                 tally.notes[NO_MESSAGES] += 1
+            elif any(m["unparsed"] for m in row["messages"]):
+                tally.notes[UNPARSED] += 1
             return [row]
 
     else:

@@ -22,6 +22,7 @@ KEY_FIELDS = [
     pa.field("validate", pa.bool_()),
     pa.field("sample_index", pa.int64()),
     pa.field("rollout_n", pa.int64()),
+    pa.field("sample_id", pa.string()),  # the client's id of the sample (verl's `uid`)
     pa.field("group", pa.string()),  # the GRPO group: `sample N`, `hash H` or `trajectory ID`
     pa.field("reward", pa.float64()),  # late rewards merged
     pa.field("score", pa.float64()),
@@ -41,6 +42,9 @@ MESSAGE = pa.struct(
         pa.field("tool_calls", pa.list_(TOOL_CALL)),
         pa.field("tool_call_id", pa.string()),
         pa.field("name", pa.string()),
+        # true: text a token prompt added whose roles no known chat template told (a `user`
+        # message holding it as it was written)
+        pa.field("unparsed", pa.bool_()),
     ]
 )
 
@@ -67,6 +71,15 @@ RL_SCHEMA = pa.schema(
         pa.field("logprobs", pa.list_(pa.float32())),
         pa.field("finish_reason", pa.string()),
         pa.field("weight_version", pa.string()),
+        # Asynchronous RL: the version of each attempt of the call (a resumed call has
+        # several), how many versions behind the newest at close the call's was, and the
+        # trajectory's oldest, newest and newest-seen versions (docs/record-schema.md).
+        pa.field("weight_versions", pa.list_(pa.string())),
+        pa.field("version_lag", pa.int64()),
+        pa.field("weight_version_min", pa.string()),
+        pa.field("weight_version_max", pa.string()),
+        pa.field("weight_version_latest", pa.string()),
+        pa.field("partial_rollout", pa.bool_()),
         pa.field("model", pa.string()),
         pa.field("ids_from", pa.string()),  # `record`, `tokenizer`, or null: not known
     ]
@@ -86,6 +99,7 @@ def key_columns(record: dict[str, Any]) -> dict[str, Any]:
         "validate": bool(key.get("validate")),
         "sample_index": _integer(key.get("sample_index")),
         "rollout_n": _integer(key.get("rollout_n")),
+        "sample_id": text_or_none(key.get("sample_id")),
         "group": group_name(key, str(record.get("id"))),
         "reward": _number(record.get("reward")),
         "score": _number(record.get("score")),

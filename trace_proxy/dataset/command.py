@@ -98,6 +98,7 @@ def run_export_command(args: dict[str, Any]) -> int:
     from trace_proxy.dataset.build import write_dataset
     from trace_proxy.dataset.reading import Selection, SelectionError, StepRange
     from trace_proxy.logtext import printable
+    from trace_proxy.store.leftovers import leftovers, notice
     from trace_proxy.trajectories.token2text import TokenizerError, load_tokenizer
     from trace_proxy.trajectories.toolparsers import get_parser
 
@@ -117,6 +118,9 @@ def run_export_command(args: dict[str, Any]) -> int:
             run=args["run"],
         )
         tokenizer = load_tokenizer(args["tokenizer"]) if args["tokenizer"] else None
+        left = leftovers([Path(args["store"])])
+        if left:
+            print(printable(notice(left)), file=sys.stderr, flush=True)
         written = write_dataset(
             Path(args["store"]),
             Path(args["out"]),

@@ -199,14 +199,16 @@ def step_files(store: Path, selection: Selection, tally: Tally | None = None) ->
 
 
 UNREADABLE = "lines of the store that are not records (not JSON objects), passed over"
-HEAD = ("record", "id", "key", "part", "start", "end", "status", "reward", "score", "labels")
+HEAD = ("record", "id", "key", "part", "start", "end", "status", "close_reason", "annotations",
+        "reward", "score", "labels")  # fmt: skip
 
 
 def step_trajectories(
     files: StepFiles, selection: Selection, tally: Tally
 ) -> Iterator[dict[str, Any]]:
     """The trajectories of one step the selection takes, by sample and rollout: late rewards
-    merged into the records they name, then a trajectory's parts from several replicas joined.
+    merged into the records they name, then a trajectory's parts from several replicas, or
+    split by a restarted capture process, joined.
 
     Like the viewer's index, only each record's head and where its line is are kept while the
     step is chosen and ordered; each taken record is read again as it is yielded, so memory

@@ -22,6 +22,7 @@ from typing import Any
 
 from trace_proxy.dataset.columns import key_columns, text_or_none
 from trace_proxy.dataset.sft import chat_message, tool_call
+from trace_proxy.trajectories import versions
 from trace_proxy.trajectories.prompts import expand_prompts
 
 NO_IDS = "turns without token ids (null; give --tokenizer to fill them)"
@@ -86,9 +87,17 @@ def rl_rows(
     calls = [c for c in record.get("calls") or [] if isinstance(c, dict)]
     prompts = expand_prompts({"calls": calls})
     shared = key_columns(record)
+    latest = text_or_none(record.get("weight_version_latest"))
+    trajectory_versions = {
+        "weight_version_min": text_or_none(record.get("weight_version_min")),
+        "weight_version_max": text_or_none(record.get("weight_version_max")),
+        "weight_version_latest": latest,
+        "partial_rollout": bool(record.get("partial_rollout")),
+    }
     rows = []
     for position, (call, prompt) in enumerate(zip(calls, prompts, strict=True)):
         outputs = [o for o in call.get("outputs") or [] if isinstance(o, dict)]
+        version = text_or_none(call.get("weight_version"))
         if not outputs:
             notes[NO_OUTPUT] += 1
         for number, output in enumerate(outputs):
@@ -116,12 +125,25 @@ def rl_rows(
                     "loss_mask": None if response_ids is None else [1] * len(response_ids),
                     "logprobs": _logprobs(output.get("logprobs"), response_ids),
                     "finish_reason": text_or_none(output.get("finish_reason")),
-                    "weight_version": text_or_none(call.get("weight_version")),
+                    "weight_version": version,
+                    "weight_versions": _attempt_versions(call),
+                    "version_lag": versions.distance(version, latest),
+                    **trajectory_versions,
                     "model": text_or_none(call.get("model")),
                     "ids_from": source,
                 }
             )
     return rows
+
+
+def _attempt_versions(call: dict[str, Any]) -> list[str | None] | None:
+    """The version of each attempt of a call, in order: one for a call sent once; null when
+    no attempt has one."""
+    segments = [s for s in call.get("segments") or [] if isinstance(s, dict)]
+    found = [text_or_none(s.get("weight_version")) for s in segments] or [
+        text_or_none(call.get("weight_version"))
+    ]
+    return found if any(v is not None for v in found) else None
 
 
 def _ids(value: Any) -> list[int] | None:

@@ -23,7 +23,13 @@ def _jsonl(settings: Settings) -> Exporter:
 def _trackio(settings: Settings) -> Exporter:
     from trace_proxy.exporters.backends.trackio import TrackioConfig, create
 
-    return create(TrackioConfig(project=settings.project, directory=settings.trackio_dir))
+    return create(
+        TrackioConfig(
+            project=settings.project,
+            directory=settings.trackio_dir,
+            tool_parser=settings.tool_parser,
+        )
+    )
 
 
 def _otlp(settings: Settings) -> Exporter:

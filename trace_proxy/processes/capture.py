@@ -18,18 +18,20 @@ forwarder's socket buffer, which is bounded: past half of `--capture-queue-bytes
 exchanges are dropped and counted (`capture_queue_bytes`); the child's queue holds the other
 half. If the child dies, another starts; what the dead one held (in transit, queued, in open
 trajectories or not yet spooled) is lost and counted exactly, once the new one has opened the
-spool (`capture_process_lost`, logged; see `ledger.py`).
+spool (`capture_process_lost`, logged; see `ledger.py`). The new one is told so first
+(`restarted`): the trajectories it opens may have begun in the dead one, and say so
+(`assembler.follow_restart`), for readers to join with what that one wrote.
 
 Start-up: the forwarder writes to the socket from the moment the child is spawned; the child
 reads once it is up (a second or so), and says `ready` before its spool and its export process
 are: those report through its `status` (`checks`, for /ready). A configuration error found
 after that (a tokenizer, a backend, a spool held by another proxy) comes as `fatal`.
 
-Messages to the child are frames (`wire.py`): exchanges, and control messages `annotate`,
-`flush`, `hurry` (shutdown has begun), `stop`. From it, JSON lines: `ready` or `error`,
-`status` (metrics text, open trajectories, its ledger and how far the spool is written,
-readiness checks, and at the end the spool's backlog), `spooling` (what a batch about to be
-written carries), `fatal`, `discovered`, `annotated`, `flushed`, `stopped`.
+Messages to the child are frames (`wire.py`): exchanges, and control messages `restarted`,
+`sampling`, `annotate`, `flush`, `hurry` (shutdown has begun), `stop`. From it, JSON lines:
+`ready` or `error`, `status` (metrics text, open trajectories, its ledger and how far the
+spool is written, readiness checks, and at the end the spool's backlog), `spooling` (what a
+batch about to be written carries), `fatal`, `discovered`, `annotated`, `flushed`, `stopped`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import functools
 import itertools
 import logging
 import sys
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -95,6 +98,7 @@ class CaptureProcess(Helper):
         self._unsettled: Unsettled | None = None  # a dead child's, until the spool is opened
         self.open_count = 0
         self.generation = 0  # capture processes started so far
+        self._since = time.time()  # before any call: the earliest start a record of ours has
         self._ids = itertools.count()
         self._answers: dict[int, asyncio.Future[Any]] = {}
         self._transport: asyncio.WriteTransport | None = None
@@ -233,6 +237,8 @@ class CaptureProcess(Helper):
         self._refused.clear()  # a new sampler: it says again what it refuses
         self._child_checks = {}
         self._transport = self._writer.transport  # type: ignore[assignment]
+        if self.generation:  # ahead of any exchange: its trajectories may have begun before
+            self._writer.write(encode_control({"op": "restarted", "since": self._since}))
         for (
             decision
         ) in self._decisions.values():  # what the last one was told, ahead of any exchange
@@ -429,6 +435,8 @@ class _HelperSide:
                 given = await recorder.give_samples(parse_decision(frame["decision"]))
                 if "id" in frame:
                     self.send({"op": "sampled", "id": frame["id"], "given": given})
+            elif op == "restarted":
+                recorder.assembler.follow_restart(float(frame["since"]))
             elif op == "hurry":
                 recorder.hurry()
             elif op == "stop":

@@ -66,7 +66,7 @@ METRICS_EVERY = 1.0
 RESTART_DELAY = 1.0
 
 
-async def _create_runner(
+async def create_runner(
     settings: Settings,
     spool_dir: Path,
     metrics: ExportMetrics,
@@ -232,7 +232,7 @@ async def _serve(started: Started, life: Lifeline) -> None:
     metrics = ExportMetrics()
     try:  # SDK imports and tokenizers load in the working threads, at their priority
         exporters = await loop.run_in_executor(None, create_exporters, settings)
-        runner, token2text = await _create_runner(settings, spool_dir, metrics, exporters, lower)
+        runner, token2text = await create_runner(settings, spool_dir, metrics, exporters, lower)
         await runner.start(lambda detail: send({"op": "starting", "detail": detail}))
     except (ConfigError, TokenizerError, SpoolBusy) as exc:
         send({"op": "error", "kind": "tokenizer" if isinstance(exc, TokenizerError) else "config",

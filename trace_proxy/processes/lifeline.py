@@ -12,6 +12,11 @@ elsewhere within PARENT_POLL seconds (its parent pid changes); a closed socket s
 Signals are taken by a thread of its own (`sigtimedwait`), so a helper busy importing an SDK,
 or whose event loop is blocked, still hears them; past the deadline that thread ends the
 process, and the helper processes it started with it.
+
+A proxy started detached by another process (processes/detach.py, `--lifeline-fd`) hears of
+that process's death the same way a helper does from its socket: the pipe it was given reads
+end of file (`watch_pipe`). It then drains as on SIGTERM, and `exit_by` bounds it: past
+`orphan_bound` it exits, and its helpers, seeing it gone, finish within their own bound.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +48,40 @@ def leftover_wait(grace: float) -> float:
     are gone within the grace and ORPHAN_SLACK of their parent's death (with TERM_BOUND to
     spare, for one stopped by SIGTERM meanwhile)."""
     return grace + ORPHAN_SLACK + TERM_BOUND
+
+
+def orphan_bound(grace: float) -> float:
+    """How long a proxy whose starter died may take to drain: in-flight requests and then
+    the capture process each get the grace, with ORPHAN_SLACK to spare."""
+    return 2 * grace + ORPHAN_SLACK
+
+
+def watch_pipe(fd: int, on_end: Callable[[], None]) -> None:
+    """Call `on_end` (from a thread of its own) once `fd` reads end of file: every holder of
+    the pipe's write end has ended, however it ended."""
+
+    def watch() -> None:
+        try:
+            while os.read(fd, 4096):
+                pass
+        except OSError:  # not a pipe, or closed: nothing to watch, as good as ended
+            pass
+        on_end()
+
+    threading.Thread(target=watch, name="lifeline-pipe", daemon=True).start()
+
+
+def exit_by(seconds: float, name: str, why: str) -> None:
+    """End the process `seconds` from now, whatever it is doing then (its helpers are left
+    to their own lifelines: they hold what they finish themselves)."""
+
+    def end() -> None:
+        time.sleep(seconds)  # a deadline, not a wait for anything
+        log.error("the %s did not finish in time (%s): exiting now", name, why)
+        logging.shutdown()
+        os._exit(EXIT_OVERDUE)
+
+    threading.Thread(target=end, name="deadline", daemon=True).start()
 
 
 _children: set[int] = set()  # helper processes this one started: they end with it

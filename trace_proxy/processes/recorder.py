@@ -231,9 +231,13 @@ class Recorder:
             _settle(self.tokenizer_discovery)
             return
         metrics = self._export_metrics
-        tokenizers = await asyncio.to_thread(
-            load_configured, settings.tokenizer, settings.skip_special_tokens
-        )
+        try:
+            tokenizers = await asyncio.to_thread(
+                load_configured, settings.tokenizer, settings.skip_special_tokens
+            )
+        except asyncio.CancelledError:  # a stop gave up on the exporters' start
+            _settle(self.decoders)  # nothing else would load them: calls wait no longer
+            raise
         self.token2text = Token2Text(
             tokenizers,
             get_parser(settings.tool_parser),
@@ -358,8 +362,6 @@ class Recorder:
         self.hurry()
         if self._discovering is not None:
             self._discovering.cancel()
-        if self._inference_tokenizers is not None:
-            self._inference_tokenizers.cancel()
         starting = self._starting
         if starting is not None and not starting.done():  # the exporters get the time to start
             with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
@@ -367,7 +369,13 @@ class Recorder:
             starting.cancel()  # given up: what they would export stays in the spool
             with contextlib.suppress(asyncio.CancelledError):
                 await starting
-        await self.capture.stop(timeout / 2 if bounded else None)
+        # The tokenizer still loading: the calls that wait for it (a client that ran its whole
+        # rollout in the first seconds) get it, within `timeout` (half of the parsing time
+        # when bounded), instead of being marked ambiguous for want of it.
+        parse_within = timeout / 2 if bounded else None
+        await self.capture.stop(parse_within, decoders_within=None if bounded else timeout)
+        if self._inference_tokenizers is not None:
+            self._inference_tokenizers.cancel()  # nothing waits for it any longer
         for task, outcome in list(self._annotating.items()):
             # Parsed, or counted as dropped, by now: a reward still waiting is placed at once.
             if not task.done() and task.cancel():

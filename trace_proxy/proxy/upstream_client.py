@@ -29,7 +29,7 @@ import httptools
 from multidict import CIMultiDict
 
 READ_HIGH_WATER = 1 << 18  # bytes buffered for a slow client before the upstream is paused
-READ_LOW_WATER = 1 << 16
+# (and resumed once the client has taken all of them)
 NO_BODY_STATUS = frozenset({204, 304})
 # An upstream's status line and headers, at most (nginx's proxy_buffer_size is 4-8 KiB; vLLM
 # and SGLang send a few hundred bytes): past it the response is a 502, never held in memory.

@@ -62,12 +62,6 @@ def record_names(record: Record | SpooledTrajectory) -> tuple[str, str, str]:
     return project, experiment, f"{'validate-step-' if validate else 'step-'}{step}.jsonl"
 
 
-def record_path(root: Path, record: Record | SpooledTrajectory) -> Path:
-    """Where a record goes while no other value holds its directories' names."""
-    project, experiment, file_name = record_names(record)
-    return root / store_name(project) / store_name(experiment) / file_name
-
-
 class StoreDirectories:
     """The directory of each (project, experiment): `<root>/<project>/<experiment>`, each named
     by `store_name` and claimed with a `NAME_FILE` holding the value (a JSON string), so two

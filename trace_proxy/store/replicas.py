@@ -5,8 +5,9 @@ another's files, so each writes a store of its own, `<output>/replicas/<name>/` 
 experiment directories, its spool). `trace-proxy show` and `trace-proxy ui` given `<output>`
 read its replicas as one store: a run's records are the union of its replicas' (a trajectory
 whose calls reached two proxies under one id is shown as one, `joined`), and a step's summary
-is the sum of theirs. `replicas/` is told apart from a project of that name by the
-name file every project directory holds (`.trace-proxy-name`).
+is the sum of theirs. `replicas/` is told apart from a project of that name by the name file
+every project directory holds (`.trace-proxy-name`). The records of one trajectory that a
+restarted capture process split are joined the same way (`restarts.py`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trace_proxy.store.layout import NAME_FILE
+from trace_proxy.store.restarts import rejoined
 from trace_proxy.trajectories.prompts import expand_prompts
 from trace_proxy.trajectories.record import StepSummary
 
@@ -53,22 +55,31 @@ def merged_summary(summaries: Iterable[dict[str, Any]]) -> dict[str, Any] | None
 def one_per_trajectory(stored: Iterable[tuple[Path, dict[str, Any]]]) -> list[dict[str, Any]]:
     """A run's records (each with the store directory it was read from) with the records of
     one trajectory that several stores wrote (its calls reached several proxies under one id)
-    as one (`joined`), in the order first seen; a store's own parts stay parts."""
-    by_id: dict[tuple[Any, ...], dict[Path, dict[str, Any]]] = {}
-    records: list[dict[str, Any] | tuple[Any, ...]] = []
-    for directory, record in stored:
+    as one (`joined`), in the order first seen, and so the records of one trajectory a
+    restarted capture process split (`restarts.rejoined`); a store's own parts stay parts."""
+    by_id: dict[tuple[Any, ...], dict[Path, list[dict[str, Any]]]] = {}
+    records: list[list[dict[str, Any]] | tuple[Any, ...]] = []
+    for directory, group in rejoined(stored):
+        record = group[0]
         key = record.get("key") or {}
         if record.get("record") != "trajectory" or not key.get("trajectory_id"):
-            records.append(record)
+            records.append(group)
             continue
         name = (key.get("project"), key.get("experiment"), bool(key.get("validate")),
                 key.get("step"), key["trajectory_id"], record.get("part", 1))  # fmt: skip
         found = by_id.setdefault(name, {})
+        if directory in found:  # another record of that name in the same store: its own
+            records.append(group)
+            continue
         if not found:
             records.append(name)
-        if directory not in found:
-            found[directory] = record
-    return [joined(list(by_id[r].values())) if isinstance(r, tuple) else r for r in records]
+        found[directory] = group
+    return [
+        joined([r for group in by_id[item].values() for r in group])
+        if isinstance(item, tuple)
+        else joined(item)
+        for item in records
+    ]
 
 
 def _count(value: Any) -> int:
@@ -79,8 +90,8 @@ def joined(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """One trajectory from the records several proxies wrote of it (a client whose router is
     not sticky sent its calls to more than one, under one trajectory id): every call with its
     whole prompt (prefix sharing is per record), in the order the calls started, tool spans
-    pointing at them, times and counts combined, the first reward and score given, the labels
-    added up, the parts' ids in `parts`."""
+    pointing at them, times and counts combined, the close reason of the part that ended last,
+    the first reward and score given, the labels added up, the parts' ids in `parts`."""
     if len(parts) == 1:
         return parts[0]
     ordered = sorted(parts, key=lambda part: _number(part.get("start")))
@@ -111,6 +122,7 @@ def joined(parts: Sequence[dict[str, Any]]) -> dict[str, Any]:
         start=min(_number(part.get("start")) for part in ordered),
         end=max(_number(part.get("end")) for part in ordered),
         status=next((p["status"] for p in ordered if p.get("status") != "ok"), "ok"),
+        close_reason=max(ordered, key=lambda part: _number(part.get("end"))).get("close_reason"),
         summary=summary,
         transcript=None,  # each part's own; the calls hold the text
         parts=[part.get("id") for part in ordered],

@@ -6,6 +6,14 @@ a later step of the same experiment starts, after `idle_timeout` without a call,
 open-trajectory bound is reached (oldest first), or at shutdown. A call that arrives for an
 already-closed trajectory opens a new part of it (`part` = 2, 3, ...), so nothing is lost.
 Calls with no key at all are single-call trajectories.
+
+A capture process started in place of one that died (`follow_restart`) cannot know what that
+one held: each trajectory it opens, in its first `idle_timeout`, without having seen it before
+carries a restart mark (`restart_mark`), so readers join it with this proxy's earlier record
+of the same trajectory, if the dead process had written one. Later, a trajectory the dead one
+held would have been closed as idle anyway; and a key the traffic inferred (`inferred:*`) is
+never marked: the new process numbers steps and rollouts afresh, so the same inferred key
+may name another rollout.
 """
 
 from __future__ import annotations
@@ -38,13 +46,16 @@ from trace_proxy.trajectories.record import (
     StepEvent,
     ToolCall,
     new_record_id,
+    restart_mark,
 )
 from trace_proxy.trajectories.rewards import Outcome, matches
+from trace_proxy.trajectories.versions import newer
 
 # The first prompts remembered per sample, for its other rollouts (see `latest_prompt`): the
 # latest samples' (a group's rollouts start close together), at most so many and so large.
 FIRST_PROMPTS = 1024
 FIRST_PROMPTS_BYTES = 32 << 20
+_KEY_FIELDS = ("step", "sample_index", "rollout_n")  # what names a trajectory without an id
 
 
 def _mapped_id(key: RolloutKey) -> bool:
@@ -94,6 +105,26 @@ class Assembler:
         self._latest_step: dict[tuple[str, str, bool], int] = {}
         self._first_prompts: OrderedDict[Hashable, tuple[bytes, int]] = OrderedDict()
         self._first_prompts_bytes = 0
+        self._restart_since: float | None = None  # see `follow_restart`
+        self._restart_marks_until = 0.0
+        # The newest policy version seen per run (project, experiment), in calls and events;
+        # under None, the server's: an event that names no run (a trainer's weight update
+        # through the proxy, without run headers) is a version of every run it serves.
+        self._latest_version: dict[tuple[str, str] | None, str] = {}
+
+    def follow_restart(self, since: float) -> None:
+        """This process replaces a capture process of the same proxy (started at `since`, wall
+        clock) that died with its open trajectories."""
+        self._restart_since = since
+        self._restart_marks_until = self._clock() + self._idle_timeout
+
+    def _may_continue(self, key: RolloutKey) -> bool:
+        """May a trajectory first seen now have begun in the capture process this one
+        replaced, under a key that names it alike in both?"""
+        if self._restart_since is None or self._clock() > self._restart_marks_until:
+            return False
+        names = ("trajectory_id",) if key.trajectory_id is not None else _KEY_FIELDS
+        return not any(key.sources.get(name, "").startswith("inferred") for name in names)
 
     @property
     def open_count(self) -> int:
@@ -119,7 +150,17 @@ class Assembler:
         else:
             action()
 
+    def _see_version(self, run: tuple[str, str] | None, version: str | None) -> None:
+        if version is None:
+            return
+        latest = self._latest_version
+        seen = latest.get(run, latest.get(None))  # a run new to the proxy: the server's so far
+        latest[run] = newer(seen, version) or version
+
     def _finish_later(self, trajectory: OpenTrajectory, reason: str) -> None:
+        run = (trajectory.key.project, trajectory.key.experiment)
+        latest = self._latest_version
+        trajectory.weight_version_latest = latest.get(run, latest.get(None))
         if self._defer:
             self._closing[trajectory.id] = trajectory
         self._later(partial(self._finish, trajectory, reason))
@@ -153,6 +194,7 @@ class Assembler:
         """`admitted`: the sampler already let this call in (see `admit_early`). `ids_text`:
         the JSON text the call's prompt ids were decoded from (see `decode_request`)."""
         key, hints.key = hints.key or self._key(hints), None
+        self._see_version((key.project, key.experiment), call.weight_version)
         if self._inference is not None:
             if self._identity(key) is None:
                 self._inference.place(key, call)
@@ -296,6 +338,9 @@ class Assembler:
         if trajectory is None:
             part = self._parts.pop(identity, 0) + 1
             trajectory = OpenTrajectory(new_record_id(), key, part, now)
+            if part == 1 and self._may_continue(key):
+                assert self._restart_since is not None
+                trajectory.annotations.append(restart_mark(self._restart_since))
             self._open[identity] = trajectory
             if len(self._open) > self._max_open:
                 _, oldest = self._open.popitem(last=False)
@@ -348,6 +393,10 @@ class Assembler:
         return self._gate.annotate(outcome, project, target.get("experiment", self._experiment))
 
     def add_event(self, event: StepEvent) -> None:
+        run = (event.project, event.experiment)
+        named = run != (self._project, self._experiment)  # else no run header: the server's
+        for each in [run] if named else [*self._latest_version, None]:
+            self._see_version(each, event.weight_version)
         if event.event in WEIGHT_UPDATE_EVENTS and self._inference is not None:
             self._inference.weight_update(event.project, event.experiment)
         self._ledger.hold(event, 1)
@@ -389,6 +438,7 @@ class Assembler:
             rollout_n=v.get("rollout_n"),
             validate=v.get("validate"),
             trajectory_id=v.get("trajectory_id"),
+            sample_id=v.get("sample_id"),
             sources=sources,
         )
 

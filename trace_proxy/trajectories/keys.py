@@ -23,6 +23,7 @@ FIELDS = (
     "validate",
     "trajectory_id",
     "done",
+    "sample_id",
 )
 HEADER_NAMES = {
     "project": "X-Rollout-Project",
@@ -33,7 +34,10 @@ HEADER_NAMES = {
     "validate": "X-Rollout-Validate",
     "trajectory_id": "X-Rollout-Trajectory-Id",
     "done": "X-Rollout-Done",
+    "sample_id": "X-Rollout-Sample-Id",
 }
+# Not a key field: the policy version that produced one call (`GenerateCall.weight_version`).
+WEIGHT_VERSION_HEADER = "X-Rollout-Weight-Version"
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 MAX_VALUE_LEN = 256
@@ -75,6 +79,7 @@ PARSERS: dict[str, Callable[[str], Any]] = {
     "validate": _flag,
     "trajectory_id": _name,
     "done": _flag,
+    "sample_id": _name,
 }
 
 

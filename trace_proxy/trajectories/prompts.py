@@ -322,6 +322,65 @@ def _call_dict(call: GenerateCall) -> dict[str, Any]:
     }
 
 
+def prompt_token_counts(calls: Sequence[dict[str, Any]]) -> list[int]:
+    """How many token ids each call's whole prompt has, as `expand_prompts` would build it
+    (a stored trajectory's JSON form), without building them."""
+    counts: list[int] = []
+    for position, call in enumerate(calls):
+        stored = call.get("prompt") or {}
+        own = len(stored.get("token_ids") or [])
+        ref = stored.get("prefix_call")
+        lengths = stored.get("prefix_len") or {}
+        if isinstance(ref, int) and 0 <= ref < position and "token_ids" in lengths:
+            first = _first_output(calls[ref])
+            context = counts[ref] + len(first.get("token_ids") or [])
+            own += len(range(context)[: lengths["token_ids"]])  # a slice's length, as sliced
+        counts.append(own)
+    return counts
+
+
+def prompt_texts(
+    calls: Sequence[dict[str, Any]], counts: Sequence[int] | None = None
+) -> list[str | None]:
+    """Each call's whole prompt decoded (a stored trajectory's JSON form, `counts` its
+    `prompt_token_counts`), when its stored piece extends a known whole context.
+
+    `prompt_text` decodes the token ids as stored: for a call sharing a prefix with an earlier
+    one, only the new suffix. The whole text is that call's whole prompt text, plus its first
+    response when shared, plus the piece; None when the sharing stops at another token, or
+    when the ids were never decoded.
+    """
+    counts = prompt_token_counts(calls) if counts is None else counts
+    texts: list[str | None] = []
+    for call in calls:
+        piece = call.get("prompt_text")
+        stored = call.get("prompt") or {}
+        ref = stored.get("prefix_call")
+        shared = (stored.get("prefix_len") or {}).get("token_ids")
+        if piece is None or ref is None or shared is None:
+            texts.append(piece)
+            continue
+        base_text = texts[ref] if 0 <= ref < len(texts) else None
+        base_ids = counts[ref] if 0 <= ref < len(counts) else 0
+        first = _first_output(calls[ref]) if 0 <= ref < len(calls) else {}
+        if base_text is not None and shared == base_ids:
+            texts.append(base_text + piece)
+        elif (
+            base_text is not None
+            and first.get("response_text") is not None
+            and shared == base_ids + len(first.get("token_ids") or [])
+        ):
+            texts.append(base_text + first["response_text"] + piece)
+        else:
+            texts.append(None)
+    return texts
+
+
+def _first_output(call: dict[str, Any]) -> dict[str, Any]:
+    first = (call.get("outputs") or [{}])[0]
+    return first if isinstance(first, dict) else {}
+
+
 def transcript_of(trajectory: dict[str, Any]) -> str | None:
     """A stored trajectory's full decoded transcript: stored as such when the trajectory
     branches, else rebuilt from its calls' decoded pieces (it is not stored twice)."""

@@ -31,6 +31,7 @@ class RolloutKey:
     validate: bool | None = None
     trajectory_id: str | None = None
     sample_hash: str | None = None  # inferred groups: hash of the first prompt
+    sample_id: str | None = None  # the client's own id of the sample (verl's `uid`)
     sources: dict[str, str] = field(default_factory=dict)
 
 
@@ -231,6 +232,14 @@ class Trajectory:
     transcript: str | None = None  # token2text: the last call's full prompt and response
     upstreams: list[str] = field(default_factory=list)
     weight_versions: list[str] = field(default_factory=list)
+    # The oldest and newest policy version of any attempt of any call (see `version_span`),
+    # and whether they differ: a rollout generated across a weight sync (verl's partial rollout).
+    weight_version_min: str | None = None
+    weight_version_max: str | None = None
+    partial_rollout: bool = False
+    # The newest policy version the proxy had seen in its run (calls, weight updates) when
+    # the trajectory closed: how stale it already was (`versions.lag`).
+    weight_version_latest: str | None = None
     annotations: list[dict[str, Any]] = field(default_factory=list)
     reward: float | None = None
     score: float | None = None
@@ -283,6 +292,21 @@ Record = Trajectory | StepEvent | StepSummary | Annotation
 
 _ids = random.Random()  # seeded from the OS
 os.register_at_fork(after_in_child=_ids.seed)  # a forked process must not repeat its parent's
+
+
+RESTART_SOURCE = "capture_restart"
+
+
+def restart_mark(since: float) -> dict[str, Any]:
+    """The annotation of a trajectory first seen by a capture process that replaced one that
+    died: its calls before that death are in this proxy's earlier record of it (one that
+    started at or after `since`, when the proxy started), or were lost with that process
+    (counted as `capture_process_lost`). Readers join the two (`store/restarts.py`)."""
+    return {
+        "field": "part", "source": RESTART_SOURCE, "value": since,
+        "note": "begun after a capture process restart: earlier calls are in this proxy's "
+                "previous record of it, or were lost",
+    }  # fmt: skip
 
 
 def new_record_id() -> str:

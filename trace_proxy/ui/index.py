@@ -22,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,6 +39,8 @@ from trace_proxy.store.readers import (
     runs,
 )
 from trace_proxy.store.replicas import merged_summary, store_roots
+from trace_proxy.store.restarts import continues, identity, restart_since
+from trace_proxy.trajectories import versions
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index
@@ -79,6 +81,13 @@ class Entry:
     annotated: bool = False  # reward, score or labels came from a later annotation
     trajectory_id: str | None = None  # the key's, when the client gave one
     prompt_hash: str | None = None  # `prompt_hash` of its first call: the same sample at any step
+    restart_since: float | None = None  # marked by a restarted capture process (restarts.py)
+    # Asynchronous RL (`trajectories/versions.py`): versions its generation spans past the
+    # first (max - min), versions behind the newest at close (latest - max), both None when
+    # not integers; generated across a weight sync.
+    version_spread: int | None = None
+    version_lag: int | None = None
+    partial: bool = False
     # Records of the same trajectory that other replicas wrote (its calls reached several
     # proxies): shown as one with this entry (`replicas.joined`), counted once.
     others: tuple[Entry, ...] = ()
@@ -152,6 +161,28 @@ class Step:
     entries: list[Entry] = field(default_factory=list)
     stats: StepStats = field(default_factory=StepStats)
     summaries: dict[Path, dict[str, Any]] = field(default_factory=dict)  # by directory
+    # (file, trajectory) -> its latest entry; made when a record a restarted capture process
+    # marked first comes (what it may continue is in the same step file), kept from then on
+    _latest: dict[tuple[int, Hashable], Entry] | None = None
+
+    def add(self, entry: Entry) -> None:
+        self.entries.append(entry)
+        if self._latest is not None:
+            self._remember(entry)
+
+    def latest_of(self, entry: Entry) -> Entry | None:
+        """The entry of `entry`'s trajectory read last from the same file, if any."""
+        if self._latest is None:
+            self._latest = {}
+            for earlier in self.entries:
+                self._remember(earlier)
+        ident = _identity(entry)
+        return None if ident is None else self._latest.get((entry.file, ident))
+
+    def _remember(self, entry: Entry) -> None:
+        ident = _identity(entry)
+        if ident is not None and self._latest is not None:
+            self._latest[(entry.file, ident)] = entry
 
     @property
     def summary(self) -> dict[str, Any] | None:
@@ -194,6 +225,7 @@ class Run:
     completion_tokens: int = 0
     errors: int = 0
     drift: int = 0  # trajectories with drifting calls
+    joined: int = 0  # records shown as part of another's entry (listed in `by_id` all the same)
 
     @property
     def ref(self) -> tuple[int, str, str]:
@@ -201,14 +233,14 @@ class Run:
 
     @property
     def trajectories(self) -> int:
-        return len(self.by_id)
+        return len(self.by_id) - self.joined
 
     def clear(self) -> None:
         """Forget everything read (its files are read again from their start)."""
         self.files, self.steps, self.by_id, self.pending, self.events = {}, {}, {}, {}, []
         self.by_trajectory, self.by_prompt, self.replays = {}, {}, {}
         self.unreadable = self.calls = self.prompt_tokens = self.completion_tokens = 0
-        self.errors = self.drift = 0
+        self.errors = self.drift = self.joined = 0
 
     def time_span(self) -> tuple[float, float] | None:
         starts = [s.stats.start for s in self.steps.values() if s.stats.trajectories]
@@ -449,6 +481,10 @@ def entry_of(record: dict[str, Any], file: int, offset: int, length: int) -> Ent
         drift=_int(summary.get("drift_calls")) or sum(1 for c in calls if c.get("drift")),
         trajectory_id=_str_or_none(key.get("trajectory_id")),
         prompt_hash=prompt_hash(calls[0]) if calls else None,
+        restart_since=restart_since(record),
+        version_spread=versions.spread(record),
+        version_lag=versions.lag(record),
+        partial=record.get("partial_rollout") is True,
     )
 
 
@@ -483,6 +519,13 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
     if entry.id in run.by_id:
         return  # the same record written twice: count it once
     step = run.steps.setdefault((entry.validate, entry.step), Step())
+    if entry.restart_since is not None:
+        earlier = step.latest_of(entry)
+        if earlier is not None and continues(
+            entry.restart_since, earlier.start, earlier.close_reason
+        ):
+            _join(run, step, earlier, entry)  # the rest of a trajectory split by a restart
+            return
     if entry.trajectory_id is not None:
         name = (entry.validate, entry.step, entry.trajectory_id, entry.part)
         first, directories = run.by_trajectory.setdefault(name, (entry, set()))
@@ -492,7 +535,7 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
             return
         directories.add(directory)
     run.by_id[entry.id] = entry
-    step.entries.append(entry)
+    step.add(entry)
     if entry.prompt_hash is not None:
         run.by_prompt.setdefault(entry.prompt_hash, []).append(entry)
     labels = as_dict(record.get("labels"))
@@ -511,9 +554,16 @@ def _add_entry(run: Run, entry: Entry, record: dict[str, Any], directory: Path) 
     run.drift += entry.drift > 0
 
 
+def _identity(entry: Entry) -> Hashable | None:
+    return identity(entry.trajectory_id, entry.validate, entry.step, entry.sample_index,
+                    entry.rollout_n)  # fmt: skip
+
+
 def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
-    """`other` is a part of `first`'s trajectory from another replica: one entry, counted once."""
+    """`other` is a part of `first`'s trajectory from another replica, or written after a
+    restart of the capture process: one entry, counted once."""
     run.by_id[other.id] = first
+    run.joined += 1
     step.stats.add(first, -1)
     first.others = (*first.others, other)
     run.drift -= first.drift > 0
@@ -521,6 +571,12 @@ def _join(run: Run, step: Step, first: Entry, other: Entry) -> None:
                  "completion_tokens", "calls_dropped", "drift"):  # fmt: skip
         setattr(first, name, getattr(first, name) + getattr(other, name))
     run.drift += first.drift > 0
+    if other.end >= first.end:
+        first.close_reason = other.close_reason
+    first.partial = first.partial or other.partial
+    for name in ("version_spread", "version_lag"):  # the larger of the parts' known values
+        known = [v for v in (getattr(first, name), getattr(other, name)) if v is not None]
+        setattr(first, name, max(known, default=None))
     first.start, first.end = min(first.start, other.start), max(first.end, other.end)
     if first.status == "ok":
         first.status = other.status

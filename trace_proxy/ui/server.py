@@ -26,7 +26,9 @@ import orjson
 from aiohttp import web
 
 from trace_proxy.config import Settings
+from trace_proxy.logtext import printable
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
+from trace_proxy.store.leftovers import leftovers, notice
 from trace_proxy.store.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import history, search, views
@@ -211,9 +213,13 @@ class Viewer:
             train = [r for r in rows if not r["validate"]]
             validation = [r for r in rows if r["validate"]]
             row = _run_row(run)
+            training = [e for key in run.step_keys() if not key[0]
+                        for e in run.steps[key].entries]  # fmt: skip
+            version_plots = _version_plots(training)
         return self._render(
             "run.html", run=run, row=row, train=train, validation=validation,
             plots=_plots(train), validation_plots=_plots(validation),
+            version_plots=version_plots,
         )  # fmt: skip
 
     async def step_page(self, request: web.Request) -> web.Response:
@@ -241,11 +247,14 @@ class Viewer:
         matching = await asyncio.to_thread(self.index.search, entries, text) if text else None
         status = query.get("status", "")
         low, high = _float_arg(query.get("min")), _float_arg(query.get("max"))
+        partial = query.get("partial", "")
 
         def keep(entry: Entry) -> bool:
             if matching is not None and entry.id not in matching:
                 return False
             if status and entry.status != status:
+                return False
+            if partial in ("yes", "no") and entry.partial != (partial == "yes"):
                 return False
             if low is not None and (entry.reward is None or entry.reward < low):
                 return False
@@ -532,6 +541,47 @@ def _plots(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 PLOT_W, PLOT_H, PAD = 300.0, 90.0, 6.0
+MAX_BARS = 30  # values of a version histogram; larger ones share the last bar
+
+
+def _version_plots(entries: Sequence[Entry]) -> list[dict[str, Any]]:
+    """How stale the run's training samples were: how many of them by versions their
+    generation spans past its first (max - min), and by versions behind the newest the proxy
+    had seen when they closed (latest - max). Only samples whose versions are integers."""
+    plots = []
+    for field, title, name in (
+        ("version_spread", "samples by versions spanned (max - min version)", "version-spread"),
+        ("version_lag", "samples by versions behind the newest at close", "version-lag"),
+    ):
+        values = [v for v in (getattr(e, field) for e in entries) if v is not None]
+        if values:
+            plots.append(_bars(name, title, values))
+    return plots
+
+
+def _bars(name: str, title: str, values: list[int]) -> dict[str, Any]:
+    """A histogram of small integers drawn as SVG bars, one per value from the least."""
+    first = min(0, min(values))
+    counts: dict[int, int] = {}
+    for value in values:
+        bucket = min(value, first + MAX_BARS - 1)
+        counts[bucket] = counts.get(bucket, 0) + 1
+    last = max(counts)
+    top = max(counts.values())
+    width = (PLOT_W - 2 * PAD) / (last - first + 1)
+    bars = []
+    for position, value in enumerate(range(first, last + 1)):
+        count = counts.get(value, 0)
+        height = (PLOT_H - 2 * PAD) * count / top
+        shown = f"{value}+" if value == first + MAX_BARS - 1 and value < max(values) else value
+        bars.append({
+            "x": PAD + position * width + 1, "w": max(1.0, width - 2), "h": height,
+            "y": PLOT_H - PAD - height, "value": shown, "count": count,
+            "label": f"{shown}: {count} sample{'s' if count != 1 else ''}",
+        })  # fmt: skip
+    return {"id": name, "title": title, "bars": bars, "w": PLOT_W, "h": PLOT_H,
+            "first": first, "last": bars[-1]["value"], "top": top,
+            "samples": len(values)}  # fmt: skip
 
 
 def _plot(title: str, points: list[tuple[int, float, float]], band: bool) -> dict[str, Any]:
@@ -570,17 +620,23 @@ def _timeline(view: views.Trajectory) -> dict[str, Any]:
     bars = []
     for n, span in enumerate(view.spans):
         end = span.end if span.end is not None else total
+        label = f"↳ {span.label}" if span.kind == "segment" else f"{span.kind} {span.label}"
         bars.append({
             "span": span, "y": n * row + 2, "x": x(span.start),
             "w": max(1.5, x(end) - x(span.start)),
             "fb": None if span.first_byte is None else x(span.first_byte),
-            "label": f"{span.kind} {span.label}",
-            "title": f"{span.kind} {span.label}: {span.start:.3f}s → "
+            "label": label,
+            "title": f"{label}: {span.start:.3f}s → "
             + ("?" if span.end is None else f"{span.end:.3f}s ({span.end - span.start:.3f}s)")
             + ("" if span.first_byte is None else f", first byte {span.first_byte:.3f}s"),
         })  # fmt: skip
+    syncs = [
+        {"x": x(sync.at), "before": sync.before, "after": sync.after,
+         "title": f"weight sync at {sync.at:.3f}s: version {sync.before} → {sync.after}"}
+        for sync in view.syncs
+    ]  # fmt: skip
     return {"bars": bars, "width": width, "height": len(bars) * row + 20, "total": total,
-            "axis_y": len(bars) * row + 14}  # fmt: skip
+            "axis_y": len(bars) * row + 14, "syncs": syncs}  # fmt: skip
 
 
 def _sort_groups(groups: list[views.Group], sort: str) -> None:
@@ -745,6 +801,9 @@ def run_ui(
         print(f"trace-proxy: error: invalid value for --tokenizer: {exc}", file=sys.stderr)
         return 2
     print(f"trace-proxy ui: indexing {', '.join(stores)}...", flush=True)
+    left = leftovers([Path(store) for store in stores])
+    if left:
+        print(printable(notice(left)), file=sys.stderr, flush=True)
 
     async def serve() -> int:
         try:

@@ -8,6 +8,7 @@ what came back. Full prompts are rebuilt with `expand_prompts` where they are ne
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -149,12 +150,22 @@ class Turn:
 
 @dataclass
 class Span:
-    kind: str  # generate | tool
+    kind: str  # generate | segment (an attempt of a resumed generate) | tool
     label: str
     start: float  # seconds after the trajectory's start
     end: float | None
     first_byte: float | None = None
     error: bool = False
+    version: str | None = None  # the policy version that generated it
+
+
+@dataclass
+class Sync:
+    """A weight sync between two attempts or calls: the policy version changed there."""
+
+    at: float  # seconds after the trajectory's start: between the two
+    before: str
+    after: str
 
 
 @dataclass
@@ -164,6 +175,7 @@ class Trajectory:
     early_tools: list[dict[str, Any]]  # tool spans no call asked for (tool servers first)
     spans: list[Span]
     duration: float
+    syncs: list[Sync] = field(default_factory=list)
 
 
 Piece = Callable[[int], str]  # one token id's text
@@ -183,16 +195,51 @@ def trajectory_view(record: dict[str, Any], piece: Piece | None = None) -> Traje
     known = {c.get("index") for c in calls}
     early = [t for caller, group in by_caller.items() if caller not in known for t in group]
     t0 = _num(record.get("start"))
-    spans = [
-        Span("generate", f"call {c.get('index')}", _num(c.get("start")) - t0,
-             _opt(c.get("end"), t0), _opt(c.get("first_byte"), t0), bool(c.get("error")))
-        for c in calls
-    ] + [
+    spans: list[Span] = []
+    for c in calls:
+        version = _str(c.get("weight_version"))
+        spans.append(Span(
+            "generate", f"call {c.get('index')}" + (f" · v{version}" if version else ""),
+            _num(c.get("start")) - t0, _opt(c.get("end"), t0), _opt(c.get("first_byte"), t0),
+            bool(c.get("error")), version,
+        ))  # fmt: skip
+        for number, segment in enumerate(_segments(c), 1):
+            version = _str(segment.get("weight_version"))
+            spans.append(Span(
+                "segment", f"attempt {number}" + (f" · v{version}" if version else ""),
+                _num(segment.get("start")) - t0, _opt(segment.get("end"), t0), None,
+                _int_or_none(segment.get("http_status")) not in (None, 200), version,
+            ))  # fmt: skip
+    spans += [
         Span("tool", str(t.get("name") or t.get("route") or "tool"), _num(t.get("start")) - t0,
              _opt(t.get("end"), t0), None, bool(t.get("error")))
         for t in tools
     ]  # fmt: skip
-    return Trajectory(record, turns, early, spans, max(0.0, _num(record.get("end")) - t0))
+    duration = max(0.0, _num(record.get("end")) - t0)
+    return Trajectory(record, turns, early, spans, duration, weight_syncs(spans))
+
+
+def _segments(call: dict[str, Any]) -> list[dict[str, Any]]:
+    return [s for s in as_list(call.get("segments")) if isinstance(s, dict)]
+
+
+def weight_syncs(spans: Sequence[Span]) -> list[Sync]:
+    """Where the policy version changes from one generation to the next (the attempts of a
+    resumed call in place of the call), in time order: a sync between the two."""
+    resumed = {n for n, s in enumerate(spans) if s.kind == "generate" and n + 1 < len(spans)
+               and spans[n + 1].kind == "segment"}  # fmt: skip
+    runs = sorted(
+        (s for n, s in enumerate(spans)
+         if s.version is not None and s.kind != "tool" and n not in resumed),
+        key=lambda s: s.start,
+    )  # fmt: skip
+    syncs = []
+    for before, after in itertools.pairwise(runs):
+        if before.version != after.version and before.version and after.version:
+            end = before.end if before.end is not None else after.start
+            syncs.append(Sync((min(end, after.start) + after.start) / 2, before.version,
+                              after.version))  # fmt: skip
+    return syncs
 
 
 def _turn(

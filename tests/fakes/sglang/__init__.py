@@ -11,7 +11,9 @@ tokenization, pacing, abort tracking and server start are the simulated vLLM's
 
 The package splits by route family, as SGLang's sources do: `contract` (the `/generate` schema
 gate, `srt/entrypoints/api_contract.py`), `base` (what every family shares, and what the OpenAI
-routes share as `srt/entrypoints/openai/serving_base.py` holds it), `generate` (`/generate` and
+routes share as `srt/entrypoints/openai/serving_base.py` holds it; the limits a prompt is
+admitted under, from the tokenizer manager's length checks to the crash an empty prompt
+causes in the scheduler), `generate` (`/generate` and
 its streaming, with `srt/managers/io_struct.py` and `tokenizer_manager.py`), `completions` and
 `chat` (`srt/entrypoints/openai/serving_completions.py` and `serving_chat.py`), `control` (the
 cache flush, aborts, pause and continue, weight updates and versions), `utility` (health, model

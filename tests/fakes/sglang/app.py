@@ -7,9 +7,12 @@ and this class only chooses them, sets the knobs and maps the paths to their han
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiohttp import web
+
+from trace_proxy.demo.simulated_vllm import DEFAULT_MAX_MODEL_LEN
 
 from .chat import ChatRoutes
 from .completions import CompletionsRoutes
@@ -26,9 +29,11 @@ class FakeSGLang(
 
     Same knobs as `SimulatedVLLM` (`deterministic`, `token_delay`, `keepalive_comments`,
     `error_after_chunks`) plus `incremental_streaming_output` (the server flag
-    `--incremental-streaming-output`) and `tool_call_parser` (None: no parsing on
-    `/v1/chat/completions`). Inspect `requests`, `aborted` / `wait_aborted()`,
-    `engine.weight_version`, `engine.paused` and `workers` (router registrations).
+    `--incremental-streaming-output`), `tool_call_parser` (None: no parsing on
+    `/v1/chat/completions`) and `context_length` (`--context-length`, with a KV pool that
+    holds it). Inspect `requests`, `aborted` / `wait_aborted()`, `engine.weight_version`,
+    `engine.paused`, `workers` (router registrations) and `crashed` (an empty prompt killed
+    the server: every connection since was dropped unanswered).
     """
 
     def __init__(
@@ -42,6 +47,7 @@ class FakeSGLang(
         error_after_chunks: int | None = None,
         incremental_streaming_output: bool = False,
         tool_call_parser: str | None = "qwen25",
+        context_length: int = DEFAULT_MAX_MODEL_LEN,
     ) -> None:
         super().__init__(
             tokenizer,
@@ -50,11 +56,14 @@ class FakeSGLang(
             token_delay=token_delay,
             keepalive_comments=keepalive_comments,
             error_after_chunks=error_after_chunks,
+            max_model_len=context_length,
         )
         self.incremental_streaming_output = incremental_streaming_output
         self.tool_call_parser = tool_call_parser
         self.workers: list[str] = []
         self.process_groups: list[str] = []
+        self.crashed = False
+        self._open: set[asyncio.BaseTransport] = set()
 
     def add_routes(self, app: web.Application) -> None:
         r = app.router

@@ -5,13 +5,19 @@ Follows sglang 0.5.23 `srt/entrypoints/openai/serving_chat.py`, with tool calls 
 `reasoning_content` always present, content never null, a call streamed as its name and then
 its arguments, `finish_reason` `tool_calls` once a call was made, `prompt_token_ids` and
 `response_token_ids` on a whole answer only (a stream that asks for them is refused).
+
+Refusals are JSON 400s: FastAPI's validation of `ChatCompletionRequest`, `_validate_request`'s
+texts (`BadRequestError`), the `ValueError`s of `_convert_to_internal_request` (`BadRequest`,
+from `handle_request`) and the manager's length checks (`BadRequestError`, before a stream's
+200 too). A stream cut by `/abort_request` ends each unfinished choice with `finish_reason`
+`"abort"` (`_generate_chat_stream`: a graceful abort is an ordinary finish reason, never turned
+into `tool_calls`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from trace_proxy.demo.simulated_vllm import (
@@ -34,26 +40,38 @@ class ChatRoutes(SGLangBase):
 
     async def _openai_chat(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        body = orjson.loads(raw)
-        if "messages" not in body:
-            return self._bad_request("Field required: messages")
+        body = self._openai_body(request, raw, "messages")
+        if isinstance(body, web.Response):
+            return body
         stream = bool(body.get("stream"))
+        messages, tools = body["messages"], body.get("tools") or []
+        tool_choice = body.get("tool_choice", "auto" if tools else "none")
+        invalid = self._invalid_chat(messages, tools, tool_choice)
+        if invalid is not None:
+            return self._openai_error(invalid)
         if stream and body.get("return_prompt_token_ids"):
             return self._openai_error(
                 "return_prompt_token_ids is not supported with streaming. Please set "
-                "stream=false when using return_prompt_token_ids=true."
+                "stream=false when using return_prompt_token_ids=true.",
+                err_type="BadRequest",
             )
         if stream and body.get("return_token_ids"):
             return self._openai_error(
                 "return_token_ids is not supported with streaming on /v1/chat/completions. "
-                "Please set stream=false when using return_token_ids=true."
+                "Please set stream=false when using return_token_ids=true.",
+                err_type="BadRequest",
             )
-        messages, tools = body["messages"], body.get("tools") or []
-        tool_choice = body.get("tool_choice", "auto" if tools else "none")
         parses = bool(self.tool_call_parser and tools and tool_choice != "none")
         _, prompt_ids = self.text.render_chat(
             messages, tools, template_kwargs=body.get("chat_template_kwargs")
         )
+        try:
+            self._check_length(len(prompt_ids), self._openai_max_tokens(body, None))
+        except ValueError as exc:
+            return self._openai_error(str(exc))
+        refusal = self._scheduler_refusal(len(prompt_ids))
+        if refusal is not None and not stream:
+            return self._openai_error(refusal)
         params = self._openai_params(body, len(prompt_ids), None, skip_special=not parses)
         samples = []
         for j in range(int(body.get("n") or 1)):
@@ -67,6 +85,8 @@ class ChatRoutes(SGLangBase):
         model = body.get("model", "default")
 
         async def run() -> web.StreamResponse:
+            if stream and refusal is not None:
+                return await self._refused_chat_stream(request, body, rid, model, refusal)
             if stream:
                 return await self._chat_stream(
                     request, body, raw, rid, model, created, samples, parses, flight, prompt_ids
@@ -108,6 +128,43 @@ class ChatRoutes(SGLangBase):
             )
 
         return await self._run(flight, [rid], run)
+
+    @staticmethod
+    def _invalid_chat(messages: Any, tools: list[JSON], tool_choice: Any) -> str | None:
+        """`OpenAIServingChat._validate_request`: the checks a client can trip here."""
+        if not messages:
+            return "Messages cannot be empty."
+        if isinstance(tool_choice, str) and tool_choice.lower() == "required" and not tools:
+            return "Tools cannot be empty if tool choice is set to required."
+        if isinstance(tool_choice, dict):
+            if not tools:
+                return "Tools cannot be empty if tool choice is set to a specific tool."
+            name = (tool_choice.get("function") or {}).get("name")
+            if all((tool.get("function") or {}).get("name") != name for tool in tools):
+                return f"Tool '{name}' not found in tools list."
+        return None
+
+    async def _refused_chat_stream(
+        self, request: web.Request, body: JSON, rid: str, model: str, refusal: str
+    ) -> web.StreamResponse:
+        """A prompt the scheduler refused, streamed: its error event, the usage chunk when
+        asked for (the one token the refused request kept), `[DONE]`."""
+        sse = self._openai_stream(request)
+        await sse.open()
+        if not await sse.send(self._refused_event(refusal)):
+            return await sse.finish()
+        if (body.get("stream_options") or {}).get("include_usage"):
+            tail = {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": self.created(),
+                "model": model,
+                "choices": [],
+                "usage": self._usage(1, 0),
+            }
+            if not await sse.send(dumps(tail)):
+                return await sse.finish()
+        return await sse.finish()
 
     def _parse_calls(
         self, text: str, parses: bool, raw: bytes, choice: int
@@ -157,7 +214,9 @@ class ChatRoutes(SGLangBase):
 
         longest = max(len(s.token_ids) for s in samples)
         tool_sent = [False] * len(samples)
+        done = 0
         async for step in self.steps(flight, longest):
+            done = step + 1
             for i, s in enumerate(samples):
                 if step == 0 and not await sse.send(
                     simple(i, {"role": "assistant", "content": ""}, None, None)
@@ -208,6 +267,11 @@ class ChatRoutes(SGLangBase):
                 ):
                     return await sse.finish()
         for i, s in enumerate(samples):
+            if done < len(s.token_ids):  # aborted: the choice ends as SGLang reports it
+                samples[i] = s = s.prefix(done)
+                opening = {"role": "assistant", "content": ""}
+                if done == 0 and not await sse.send(simple(i, opening, None, None)):
+                    return await sse.finish()
             finish = "tool_calls" if tool_sent[i] and s.finish_reason == "stop" else s.finish_reason
             matched = None if tool_sent[i] else self._matched_stop(s)
             if not await sse.send(simple(i, {}, finish, matched)):

@@ -4,11 +4,19 @@ Follows sglang 0.5.23 `srt/entrypoints/openai/serving_completions.py`: the rid a
 `cmpl-` prefix), `matched_stop` on every choice, `token_ids` and `prompt_token_ids` when
 `return_token_ids` asks, 16 new tokens unless told otherwise, `metadata` with the weight
 versions, and a usage-only chunk at the end of a stream when `stream_options.include_usage`.
+
+Refusals are the serving classes' JSON 400s: FastAPI's validation of `CompletionRequest`,
+`_validate_request`'s "Prompt cannot be empty", and the manager's `ValueError`s (a prompt too
+long for the context), which a stream raises before its 200 (`_handle_streaming_request`
+kick-starts the generator). A stream cut by `/abort_request` ends each unfinished choice with
+the chunk SGLang makes of the abort: no new text, `finish_reason` `"abort"`. (That is the
+default, cumulative streaming; with `--incremental-streaming-output` SGLang's abort chunk
+re-sends the last token, which `_generate_chat_stream` trims from its ids; the fake sends no
+new token in either mode.)
 """
 
 from __future__ import annotations
 
-import orjson
 from aiohttp import web
 
 from trace_proxy.demo.simulated_vllm import JSON, Flight, Sample, dumps, json_response
@@ -21,18 +29,37 @@ class CompletionsRoutes(SGLangBase):
 
     async def _openai_completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
-        body = orjson.loads(raw)
-        prompt = body.get("prompt")
+        body = self._openai_body(request, raw, "prompt")
+        if isinstance(body, web.Response):
+            return body
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, int) and max_tokens <= 0:  # `validate_max_tokens_positive`
+            return self._validation_error(
+                [{"type": "value_error", "loc": ("body", "max_tokens"),
+                  "msg": "Value error, max_tokens must be positive", "input": max_tokens,
+                  "ctx": {"error": ValueError("max_tokens must be positive")}}]
+            )  # fmt: skip
+        prompt = body["prompt"]
+        if not prompt or (isinstance(prompt, list) and all(not p for p in prompt)):
+            return self._openai_error("Prompt cannot be empty")  # `_validate_request`
         if isinstance(prompt, str):
             prompts = [self.text.encode(prompt, True)]
-        elif isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+        elif isinstance(prompt[0], int):
             prompts = [tuple(prompt)]
-        elif isinstance(prompt, list) and prompt:
+        else:
             prompts = [
                 self.text.encode(p, True) if isinstance(p, str) else tuple(p) for p in prompt
             ]
-        else:
-            return self._bad_request("Field required: prompt")
+        try:
+            for ids in prompts:
+                self._check_length(len(ids), self._openai_max_tokens(body, 16))
+        except ValueError as exc:
+            return self._openai_error(str(exc))
+        if any(not ids for ids in prompts):
+            return await self._crash(request)
+        refusal = next(filter(None, (self._scheduler_refusal(len(ids)) for ids in prompts)), None)
+        if refusal is not None and not body.get("stream"):
+            return self._openai_error(refusal)
         n = int(body.get("n") or 1)
         samples = []
         for ids in prompts:
@@ -49,6 +76,8 @@ class CompletionsRoutes(SGLangBase):
         async def run() -> web.StreamResponse:
             longest = max(len(s.token_ids) for _, s in samples)
             if body.get("stream"):
+                if refusal is not None:
+                    return await self._refused_stream(request, body, rid, model, refusal)
                 return await self._completions_stream(
                     request, body, rid, model, samples, flight, sum(len(i) for i in prompts)
                 )
@@ -98,23 +127,24 @@ class CompletionsRoutes(SGLangBase):
         await sse.open()
         created = self.created()
         longest = max(len(s.token_ids) for _, s in samples)
-        async for step in self.steps(flight, longest):
-            for i, (ids, s) in enumerate(samples):
-                if step >= len(s.token_ids):
-                    continue
-                finished = step == len(s.token_ids) - 1
-                choice: JSON = {
-                    "index": i,
-                    "text": s.deltas[step],
-                    "logprobs": None,
-                    "finish_reason": s.finish_reason if finished else None,
-                    "matched_stop": self._matched_stop(s) if finished else None,
-                }
-                if body.get("return_token_ids"):
-                    choice["token_ids"] = [s.token_ids[step]]
-                    if step == 0:
-                        choice["prompt_token_ids"] = list(ids)
-                chunk = {
+
+        def chunk(i: int, ids: tuple[int, ...], s: Sample, step: int, last: bool) -> bytes:
+            """One choice's chunk: the token at `step`, or (`step` past the tokens sent) the
+            abort's, which adds no text."""
+            sent = step < len(s.token_ids)
+            choice: JSON = {
+                "index": i,
+                "text": s.deltas[step] if sent else "",
+                "logprobs": None,
+                "finish_reason": s.finish_reason if last else None,
+                "matched_stop": self._matched_stop(s) if last else None,
+            }
+            if body.get("return_token_ids"):
+                choice["token_ids"] = [s.token_ids[step]] if sent else []
+                if step == 0:
+                    choice["prompt_token_ids"] = list(ids)
+            return dumps(
+                {
                     "id": rid,
                     "object": "text_completion",
                     "created": created,
@@ -122,7 +152,20 @@ class CompletionsRoutes(SGLangBase):
                     "choices": [choice],
                     "usage": None,
                 }
-                if not await sse.send(dumps(chunk)):
+            )
+
+        done = 0
+        async for step in self.steps(flight, longest):
+            done = step + 1
+            for i, (ids, s) in enumerate(samples):
+                if step < len(s.token_ids):
+                    last = step == len(s.token_ids) - 1
+                    if not await sse.send(chunk(i, ids, s, step, last)):
+                        return await sse.finish()
+        for i, (ids, s) in enumerate(samples):  # aborted: what each choice had, then "abort"
+            if done < len(s.token_ids):
+                samples[i] = (ids, s.prefix(done))
+                if not await sse.send(chunk(i, ids, samples[i][1], done, True)):
                     return await sse.finish()
         if (body.get("stream_options") or {}).get("include_usage"):
             completion = sum(len(s.token_ids) for _, s in samples)
@@ -133,6 +176,29 @@ class CompletionsRoutes(SGLangBase):
                 "id": rid,
                 "object": "text_completion",
                 "created": created,
+                "model": model,
+                "choices": [],
+                "usage": usage,
+            }
+            if not await sse.send(dumps(tail)):
+                return await sse.finish()
+        return await sse.finish()
+
+    async def _refused_stream(
+        self, request: web.Request, body: JSON, rid: str, model: str, refusal: str
+    ) -> web.StreamResponse:
+        """A prompt the scheduler refused, streamed: its error event, the usage of the one
+        token the refused request kept when asked for, `[DONE]` (`_generate_completion_stream`)."""
+        sse = self._openai_stream(request)
+        await sse.open()
+        if not await sse.send(self._refused_event(refusal)):
+            return await sse.finish()
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"prompt_tokens": 1, "total_tokens": 1, "completion_tokens": 0}
+            tail = {
+                "id": rid,
+                "object": "text_completion",
+                "created": self.created(),
                 "model": model,
                 "choices": [],
                 "usage": usage,

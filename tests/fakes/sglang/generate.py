@@ -6,15 +6,23 @@ rids and `n`, and `srt/managers/tokenizer_manager.py` for the n-expansion and th
 fields in the manager's order: `n` > 1 answers a JSON list, streams are CUMULATIVE unless
 `incremental_streaming_output` (`--incremental-streaming-output`) asks for deltas, and logprobs
 are `[logprob, token_id, text|null]` tuples.
+
+What it refuses, and how, follows the same code: the schema gate's `{"error": "<text>"}`;
+a `ValueError` from normalisation or the manager's length checks as 400 `{"error":
+{"message"}}` (`_create_error_response`), or once streaming began as an error event with code
+400; a prompt within the scheduler's reserve aborted with status 400 (the whole answer a 400,
+or that sequence's only chunk when streamed). `"text": []` is a batch of none: the manager
+sends nothing and answers `[]` (a stream of only `[DONE]`). An empty prompt (`"input_ids":
+[[]]`, `"text": ""`) passes every check and kills the server (`SGLangBase._crash`).
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from aiohttp import web
 
 from trace_proxy.demo.simulated_vllm import (
@@ -28,8 +36,10 @@ from trace_proxy.demo.simulated_vllm import (
     json_response,
 )
 
-from .base import SGLangBase
+from .base import SGLangBase, new_token_budget
 from .contract import contract_error
+
+DEFAULT_MAX_NEW_TOKENS = 128  # `SamplingParams.max_new_tokens` (`srt/sampling/sampling_params.py`)
 
 
 @dataclass
@@ -44,6 +54,7 @@ class _Seq:
     top_logprobs_num: int
     logprob_start_len: int
     max_new_tokens: int
+    refusal: str | None = None  # the scheduler's abort message, when it refuses the prompt
 
 
 def _per_item(value: Any, i: int, default: Any) -> Any:
@@ -58,9 +69,12 @@ class GenerateRoutes(SGLangBase):
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
         try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            return self._bad_request(f"JSON decode error: {exc}")
+            body = json.loads(raw)
+        except json.JSONDecodeError as exc:  # FastAPI's decode of the `GenerateReqInput` body
+            return self._validation_error(
+                [{"type": "json_invalid", "loc": ("body", exc.pos), "msg": "JSON decode error",
+                  "input": {}, "ctx": {"error": exc.msg}}]
+            )  # fmt: skip
         error = contract_error(body)
         if error is not None:
             return json_response({"error": error}, 400)
@@ -71,6 +85,17 @@ class GenerateRoutes(SGLangBase):
             if stream:
                 return await self._stream_error(request, str(exc))
             return json_response({"error": {"message": str(exc)}}, 400)
+        if any(not seq.prompt_ids for seq in seqs):
+            return await self._crash(request)
+        if not seqs:  # `_handle_batch_request` with a batch of none: nothing to wait for
+            if stream:
+                sse = SSEStream(request, keepalive=False, error_after=None, error_event=b"")
+                await sse.open()
+                return await sse.finish()
+            return json_response([])
+        refusal = next((seq.refusal for seq in seqs if seq.refusal), None)
+        if refusal is not None and not stream:  # `_handle_abort_finish_reason` raises it
+            return json_response({"error": {"message": refusal}}, 400)
         flight = self.engine.admit(seq.rid for seq in seqs)
         started = time.perf_counter()
         rids = [seq.rid for seq in seqs]
@@ -124,7 +149,11 @@ class GenerateRoutes(SGLangBase):
         seqs: list[_Seq] = []
         for p, prompt_ids in enumerate(prompts):
             sp = all_params[p] if p < len(all_params) else {}
+            self._check_length(len(prompt_ids), sp.get("max_new_tokens"))
+        for p, prompt_ids in enumerate(prompts):
+            sp = all_params[p] if p < len(all_params) else {}
             params = self._params(sp, len(prompt_ids))
+            refusal = self._scheduler_refusal(len(prompt_ids))
             for j in range(n):
                 position = len(seqs)
                 seed = self.text.seed_for(prompt_ids, j, params)
@@ -139,6 +168,7 @@ class GenerateRoutes(SGLangBase):
                         int(_per_item(body.get("top_logprobs_num"), p, 0)),
                         int(_per_item(body.get("logprob_start_len"), p, -1)),
                         params.max_tokens,
+                        refusal,
                     )
                 )
         return seqs, single and n == 1
@@ -146,9 +176,9 @@ class GenerateRoutes(SGLangBase):
     def _params(self, sp: JSON, prompt_len: int) -> SampleParams:
         stop = sp.get("stop") or []
         max_new = sp.get("max_new_tokens")
-        limit = self.text.max_model_len - prompt_len
+        asked = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
         return SampleParams(
-            max_tokens=min(128 if max_new is None else max_new, limit),
+            max_tokens=new_token_budget(prompt_len, asked, self.text.max_model_len),
             stop=(stop,) if isinstance(stop, str) else tuple(stop),
             stop_token_ids=tuple(sp.get("stop_token_ids") or ()),
             ignore_eos=bool(sp.get("ignore_eos")),
@@ -159,6 +189,13 @@ class GenerateRoutes(SGLangBase):
 
     def _finish_reason(self, seq: _Seq, count: int, aborted: bool) -> JSON:
         s = seq.sample
+        if seq.refusal is not None:  # `Req.set_finish_with_abort`
+            return {
+                "type": "abort",
+                "message": seq.refusal,
+                "status_code": 400,
+                "err_type": "BadRequestError",
+            }
         if aborted:
             return {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         if s.finish_reason == "length":
@@ -224,17 +261,18 @@ class GenerateRoutes(SGLangBase):
         meta: JSON = {
             "id": seq.rid,
             "finish_reason": self._finish_reason(seq, end, aborted) if finished else None,
-            "prompt_tokens": len(seq.prompt_ids),
+            # a refused request's prompt is replaced by one token (`set_finish_with_abort`)
+            "prompt_tokens": 1 if seq.refusal else len(seq.prompt_ids),
             "weight_version": self.engine.weight_version,
             "num_retractions": 0,
         }
-        if seq.return_logprob:
+        if seq.return_logprob and not seq.refusal:
             meta.update(self._logprob_fields(seq, body, start, end))
         meta["reasoning_tokens"] = 0
         meta["completion_tokens"] = end
         meta["cached_tokens"] = 0
         if finished:
-            spans = flight.weight_versions(end)
+            spans = flight.weight_versions(end) if flight.version_starts else []
             meta["weight_versions"] = spans
             if spans:
                 meta["weight_version"] = spans[-1]["version"]
@@ -290,6 +328,9 @@ class GenerateRoutes(SGLangBase):
         )
         await sse.open()
         emitted = {seq.position: 0 for seq in seqs}
+        for seq in seqs:  # the scheduler aborts a refused prompt before its prefill
+            if seq.refusal is not None:
+                seq.sample = seq.sample.prefix(0)
         longest = max(len(seq.sample.token_ids) for seq in seqs)
 
         async def send(seq: _Seq, end: int, finished: bool, aborted: bool) -> bool:
@@ -320,7 +361,7 @@ class GenerateRoutes(SGLangBase):
                 if step < count and not await send(seq, step + 1, step + 1 == count, False):
                     return await sse.finish()
         for seq in seqs:  # aborted: every unfinished sequence ends with an abort reason
-            if emitted[seq.position] < len(seq.sample.token_ids):
+            if seq.refusal is not None or emitted[seq.position] < len(seq.sample.token_ids):
                 end = emitted[seq.position]
                 seq.sample = seq.sample.prefix(end)
                 if not await send(seq, end, True, True):

@@ -1,6 +1,6 @@
 """Run one RL framework's own client code against a server, in the frameworks venv.
 
-    python drive.py CLIENT MODEL_DIR OUT.json URL [URL ...]
+    python drive.py [--group N] CLIENT MODEL_DIR OUT.json URL [URL ...]
 
 CLIENT is one of `CLIENTS`. Each URL is where the framework is pointed: the inference server
 itself (direct) or trace-proxy in front of it; that address is the only thing that changes
@@ -8,8 +8,10 @@ between the runs, which go one after the other in one process (the frameworks ta
 import). Each client plays the same small GRPO-shaped workload through the framework's
 public client API: `SAMPLES` prompts, the first with two rollouts, `TURNS` turns each (turn
 N+1's prompt is turn N's prompt, the reply and an environment turn), greedy so that a run is
-reproducible. What every call gave back, as the framework handed it over, is written to
-OUT.json with the workload (the truth the store is checked against), one run per URL.
+reproducible. With `--group N`: one prompt, a GRPO group of N rollouts sampled at temperature
+1 (their replies differ, and only the replies tell their next turns apart). What every call gave
+back, as the framework handed it over, is written to OUT.json with the workload (the truth the
+store is checked against), one run per URL.
 
 Nothing here talks HTTP itself: every request is the framework's.
 """
@@ -22,6 +24,7 @@ import os
 import sys
 import typing
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import typing_extensions
@@ -35,6 +38,18 @@ MAX_NEW_TOKENS = 8
 ENVIRONMENT = "<|im_end|>\n<|im_start|>user\nGo on.<|im_end|>\n<|im_start|>assistant\n"
 QUESTIONS = ("What is the capital of France?", "Name a prime number.", "Say hello.")
 ROLLOUTS = {0: 2}  # sample -> rollouts (1 when not listed)
+
+
+@dataclass(frozen=True)
+class Workload:
+    samples: int = SAMPLES
+    rollouts: dict[int, int] = field(default_factory=lambda: dict(ROLLOUTS))
+    temperature: float = 0.0  # greedy
+
+
+def group(rollouts: int) -> Workload:
+    return Workload(samples=1, rollouts={0: rollouts}, temperature=1.0)
+
 
 Generate = Callable[[list[list[int]], list[str]], Awaitable[list[dict[str, Any]]]]
 
@@ -60,7 +75,9 @@ def _hostport(url: str) -> str:
     return url.removeprefix("http://").rstrip("/")
 
 
-async def areal(backend: str, url: str, tok: Any) -> tuple[Generate, Callable[[], Any]]:
+async def areal(
+    backend: str, url: str, tok: Any, temperature: float
+) -> tuple[Generate, Callable[[], Any]]:
     from areal.api.cli_args import GenerationHyperparameters, InferenceEngineConfig
     from areal.api.io_struct import ModelRequest
 
@@ -72,7 +89,12 @@ async def areal(backend: str, url: str, tok: Any) -> tuple[Generate, Callable[[]
     await asyncio.to_thread(engine.initialize, addr=_hostport(url), train_data_parallel_size=1)
 
     async def generate(prompts: list[list[int]], _sessions: list[str]) -> list[dict[str, Any]]:
-        gconfig = GenerationHyperparameters(max_new_tokens=MAX_NEW_TOKENS, greedy=True)
+        if temperature == 0.0:
+            gconfig = GenerationHyperparameters(max_new_tokens=MAX_NEW_TOKENS, greedy=True)
+        else:
+            gconfig = GenerationHyperparameters(
+                max_new_tokens=MAX_NEW_TOKENS, temperature=temperature
+            )
         requests = [ModelRequest(input_ids=p, gconfig=gconfig, tokenizer=tok) for p in prompts]
         responses = await asyncio.gather(*(engine.agenerate(r) for r in requests))
         return [
@@ -87,7 +109,7 @@ async def areal(backend: str, url: str, tok: Any) -> tuple[Generate, Callable[[]
     return generate, engine.destroy
 
 
-async def skyrl(url: str, tok: Any) -> tuple[Generate, Callable[[], Any]]:
+async def skyrl(url: str, tok: Any, temperature: float) -> tuple[Generate, Callable[[], Any]]:
     from skyrl.backends.skyrl_train.inference_servers.remote_inference_client import (
         RemoteInferenceClient,
     )
@@ -104,7 +126,7 @@ async def skyrl(url: str, tok: Any) -> tuple[Generate, Callable[[], Any]]:
                 "session_ids": sessions,
                 "sampling_params": {
                     "max_tokens": MAX_NEW_TOKENS,
-                    "temperature": 0.0,
+                    "temperature": temperature,
                     "logprobs": 0,
                 },
             }
@@ -129,7 +151,9 @@ async def skyrl(url: str, tok: Any) -> tuple[Generate, Callable[[], Any]]:
     return generate, close
 
 
-async def skyrl_train(backend: str, url: str, tok: Any) -> tuple[Generate, Callable[[], Any]]:
+async def skyrl_train(
+    backend: str, url: str, tok: Any, temperature: float
+) -> tuple[Generate, Callable[[], Any]]:
     from skyrl_train.inference_engines.remote_inference_engine import RemoteInferenceEngine
 
     engine = RemoteInferenceEngine(
@@ -137,7 +161,7 @@ async def skyrl_train(backend: str, url: str, tok: Any) -> tuple[Generate, Calla
     )
 
     async def generate(prompts: list[list[int]], _sessions: list[str]) -> list[dict[str, Any]]:
-        params: dict[str, Any] = {"temperature": 0.0}
+        params: dict[str, Any] = {"temperature": temperature}
         params["max_tokens" if backend == "vllm" else "max_new_tokens"] = MAX_NEW_TOKENS
         out = await engine.generate({"prompt_token_ids": prompts, "sampling_params": params})
         return [
@@ -151,7 +175,7 @@ async def skyrl_train(backend: str, url: str, tok: Any) -> tuple[Generate, Calla
 
 
 async def openai_chat(
-    url: str, tok: Any, session_path: bool = False
+    url: str, tok: Any, temperature: float, session_path: bool = False
 ) -> tuple[Generate, Callable[[], Any]]:
     """An agent on the OpenAI SDK: one conversation per rollout, the second turn streamed.
     With `session_path` (rllm's model gateway), each rollout's base URL names its session and
@@ -177,7 +201,7 @@ async def openai_chat(
                 model="tiny-qwen",
                 messages=messages,
                 max_tokens=MAX_NEW_TOKENS,
-                temperature=0.0,
+                temperature=temperature,
                 logprobs=True,
                 extra_body=extra,
             )
@@ -189,7 +213,7 @@ async def openai_chat(
                 model="tiny-qwen",
                 messages=messages,
                 max_tokens=MAX_NEW_TOKENS,
-                temperature=0.0,
+                temperature=temperature,
                 stream=True,
                 stream_options={"include_usage": True},
                 extra_body=extra,
@@ -228,27 +252,28 @@ def _question_of(tok: Any, prompt: list[int]) -> str:
     raise ValueError("not one of the workload's first prompts")
 
 
-CLIENTS: dict[str, Callable[[str, Any], Awaitable[tuple[Generate, Callable[[], Any]]]]] = {
-    "areal-vllm": lambda url, tok: areal("vllm", url, tok),
-    "areal-sglang": lambda url, tok: areal("sglang", url, tok),
+Client = Callable[[str, Any, float], Awaitable[tuple[Generate, Callable[[], Any]]]]
+CLIENTS: dict[str, Client] = {  # (url, tokenizer, temperature) -> generate, close
+    "areal-vllm": lambda url, tok, t: areal("vllm", url, tok, t),
+    "areal-sglang": lambda url, tok, t: areal("sglang", url, tok, t),
     "skyrl": skyrl,
-    "skyrl-train-vllm": lambda url, tok: skyrl_train("vllm", url, tok),
-    "skyrl-train-sglang": lambda url, tok: skyrl_train("sglang", url, tok),
+    "skyrl-train-vllm": lambda url, tok, t: skyrl_train("vllm", url, tok, t),
+    "skyrl-train-sglang": lambda url, tok, t: skyrl_train("sglang", url, tok, t),
     "openai": openai_chat,
-    "rllm-gateway": lambda url, tok: openai_chat(url, tok, session_path=True),
+    "rllm-gateway": lambda url, tok, t: openai_chat(url, tok, t, session_path=True),
 }
 
 
 # --- the workload -------------------------------------------------------------------------------
 
 
-async def run(client: str, url: str, model_dir: str) -> dict[str, Any]:
+async def run(client: str, url: str, model_dir: str, workload: Workload) -> dict[str, Any]:
     tok = _tokenizer(model_dir)
-    generate, close = await CLIENTS[client](url, tok)
+    generate, close = await CLIENTS[client](url, tok, workload.temperature)
     rollouts = [
         {"sample": s, "rollout": r, "session": f"{s}_{r}", "turns": []}
-        for s in range(SAMPLES)
-        for r in range(ROLLOUTS.get(s, 1))
+        for s in range(workload.samples)
+        for r in range(workload.rollouts.get(s, 1))
     ]
     prompts = [_first_prompt(tok, QUESTIONS[r["sample"]]) for r in rollouts]
     environment = list(tok.encode(ENVIRONMENT, add_special_tokens=False))
@@ -275,8 +300,13 @@ async def run(client: str, url: str, model_dir: str) -> dict[str, Any]:
 
 
 def main() -> int:
-    client, model_dir, out, *urls = sys.argv[1:]
-    results = [asyncio.run(run(client, url, model_dir)) for url in urls]
+    args = sys.argv[1:]
+    workload = Workload()
+    if args[0] == "--group":
+        workload = group(int(args[1]))
+        args = args[2:]
+    client, model_dir, out, *urls = args
+    results = [asyncio.run(run(client, url, model_dir, workload)) for url in urls]
     with open(out, "w") as f:
         json.dump(results, f)
     return 0

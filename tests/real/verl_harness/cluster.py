@@ -12,15 +12,19 @@ workers placed by verl over the nodes, runs the steps twice through the plugin, 
 samples per step:
 
 - `plugin`, writing WORK_DIR/traces-1; in its last step one node's proxy is killed (SIGKILL)
-  while calls are in flight, so some of that step's calls take verl's own path;
-- `rerun`, the same steps, writing WORK_DIR/traces-2, every call through a proxy.
+  while calls are in flight, so some of that step's calls take verl's own path; then its
+  actors are killed, as Ray kills a job's;
+- `rerun`, the same steps, writing WORK_DIR/traces-2, every call through a proxy; then the run
+  ends as verl's trainer ends: nothing is stopped, the driver's Ray shuts down and the cluster
+  with it (each actor killed, with its children and process group).
 
 (That the plugin's batches equal verl's own path is shown call for call against real vLLM by
 run.py; here the two runs' batches are compared, the kill step's included.)
 
 It writes WORK_DIR/cluster.json: each run's batches, which server is on which node, each
 proxy's node, replica directory, restarts and process, the workers' fallback counts, and the
-`trace-proxy serve` processes still running once the trainer has ended.
+`trace-proxy serve` processes still running once the bound within which a proxy drains after
+its actor's death has passed.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ ADDRESSES = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
 STEPS = (1, 2, 3)
 KEEP = 2  # samples per step, across every proxy
 KILL_STEP = 3
+PROXY_GRACE = 10.0  # each proxy's --shutdown-grace
 
 
 class SimulatedNodeServer(VerlServerStandIn):
@@ -122,7 +127,8 @@ def cluster_config(model_dir: str, work: Path, traces: str) -> Any:
     OmegaConf.set_struct(config, False)
     config.actor_rollout_ref.rollout.agent.num_workers = 2  # divides the batch, as verl needs
     config.trainer.experiment_name = "cluster"
-    config.trace_proxy = {"output": str(work / traces), "max_samples_per_step": KEEP}
+    config.trace_proxy = {"output": str(work / traces), "max_samples_per_step": KEEP,
+                          "args": ["--shutdown-grace", str(PROXY_GRACE)]}  # fmt: skip
     return config
 
 
@@ -209,6 +215,41 @@ def serving_processes(marker: str) -> list[int]:
     return found
 
 
+def restart_one_actor(manager: Any) -> dict[str, Any]:
+    """Kill one node's proxy actor and let Ray start it again (as after a crash) while the
+    old actor's proxy is still draining (held stopped until the new one answers, as a drain
+    on busy cores would be): the new proxy must write elsewhere."""
+    _, actor = sorted(manager._trace_proxy.actors.items())[0]
+    before = ray.get(actor.status.remote())
+    os.kill(before["pid"], signal.SIGSTOP)
+    ray.kill(actor, no_restart=False)
+    deadline = time.monotonic() + 300
+    while True:  # polling until the restarted actor answers (the dead one may answer first)
+        try:
+            after = ray.get(actor.status.remote(), timeout=30)
+            if after["pid"] != before["pid"]:
+                break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+        assert time.monotonic() < deadline, "the actor was not restarted"
+        time.sleep(0.2)
+    os.kill(before["pid"], signal.SIGCONT)  # it drains now, and ends
+    return {"before": before, "after": after}
+
+
+def wait_gone(marker: str) -> list[int]:
+    """The `trace-proxy serve` processes of this run still running once the bound within
+    which a proxy whose actor died must have drained and exited has passed (polled: they
+    are nobody's children here)."""
+    from trace_proxy.processes.lifeline import ORPHAN_SLACK, orphan_bound
+
+    deadline = time.monotonic() + orphan_bound(PROXY_GRACE) + PROXY_GRACE + ORPHAN_SLACK
+    while (running := serving_processes(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running
+
+
 def run_steps(manager: Any, servers: dict[str, Any], kill: bool = False) -> dict[str, Any]:
     results: dict[str, Any] = {}
     for step in STEPS:
@@ -239,14 +280,18 @@ def main() -> int:
         results = run_steps(manager, servers, kill=name == "plugin")
         results["proxies"] = proxies_of(manager)
         results["fallbacks"] = worker_fallbacks(manager)
-        manager._trace_proxy.stop()  # as at the trainer's exit: drained, then stopped
-        results["left_running"] = serving_processes(str(work / traces))
-        for worker in manager.agent_loop_workers:  # the next run starts its own
-            ray.kill(worker)
         report["runs"][name] = results
+        if name == "plugin":  # its actors die as a job's do (nothing is stopped); Ray stays
+            results["actor_restarted"] = restart_one_actor(manager)
+            for actor in [*manager._trace_proxy.actors.values(), *manager.agent_loop_workers]:
+                ray.kill(actor)
+    # The end of verl's trainer: nothing is stopped; the driver's Ray ends and its cluster
+    # with it, every actor killed (their children and process groups with them).
     ray.shutdown()
     cluster.shutdown()
-    report["left_running_after_shutdown"] = serving_processes(str(work))
+    ended = time.monotonic()
+    report["left_running_after_shutdown"] = wait_gone(str(work))
+    report["drained_seconds"] = time.monotonic() - ended  # the proxies' drain, after Ray's end
     report["seconds"] = time.monotonic() - started
     (work / "cluster.json").write_text(json.dumps(report))
     return 0

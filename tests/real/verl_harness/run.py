@@ -15,8 +15,11 @@ stand-in (server.py), in front of the real vLLM CPU server.
 
 writes WORK_DIR/batches-<mode>.json for modes `verl` and `v1-verl` (verl's legacy and v1
 managers) and `plugin` and `v1-plugin` (the same through the plugin: the first starts its
-trace-proxy, the second uses that one by URL, as a sidecar), and the proxy writes its store to
-WORK_DIR/traces (experiments `cpu-agent-loop` and `cpu-agent-loop-v1`).
+trace-proxy, the second uses that one by URL, as a sidecar), `async-verl` and `async-plugin`
+(v1's asynchronous trainers' manager and `FullyAsyncLLMServerClient` across weight syncs that
+abort generations in flight: partial.py, writing WORK_DIR/partial-<mode>.json), and the proxy
+writes its store to WORK_DIR/traces (experiments `cpu-agent-loop`, `cpu-agent-loop-v1` and
+`cpu-partial-rollout`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +45,15 @@ N = 2
 
 
 def compose_config(
-    model_dir: str, work: Path, plugin: bool, v1: bool = False, sidecar: Any = None
+    model_dir: str,
+    work: Path,
+    plugin: bool,
+    v1: bool = False,
+    sidecar: Any = None,
+    extra: Sequence[str] = (),
 ) -> Any:
+    """verl's config as its `main_ppo` composes it from `ppo_trainer.yaml` and command-line
+    overrides; with the plugin, only the overrides its documentation names (and `extra`)."""
     import verl.trainer.config as verl_config
 
     tool_config = work / "tools.yaml"
@@ -78,11 +89,13 @@ def compose_config(
             "trace_proxy.integrations.verl.AgentLoopManager",
         ]
         if sidecar is None:
-            overrides += [f"+trace_proxy.output={work / 'traces'}", "+trace_proxy.token2text=true"]
+            overrides += [f"+trace_proxy.output={work / 'traces'}"]
         else:
             os.environ["TRACE_PROXY_ADMIN_TOKEN"] = sidecar.admin_token
             overrides += [f"+trace_proxy.url={sidecar.proxy_url}",
                           f"+trace_proxy.admin_url={sidecar.admin_url}"]  # fmt: skip
+    replaced = {item.split("=", 1)[0] for item in extra}
+    overrides = [o for o in overrides if o.split("=", 1)[0] not in replaced] + list(extra)
     config_dir = os.path.dirname(verl_config.__file__)
     with initialize_config_dir(config_dir=config_dir, version_base=None):
         config = compose(config_name="ppo_trainer", overrides=overrides)
@@ -209,6 +222,7 @@ class Built:
     mode: str
     manager: Any
     server: Any
+    config: Any = None
 
 
 @dataclass
@@ -236,14 +250,19 @@ class Serving:
 def build(mode: str, serving: Serving, model_dir: str, work: Path, reward_workers: Any,
           sidecar: Any = None) -> Built:  # fmt: skip
     """One manager as verl's trainer builds it. `sidecar`: a running proxy (the one the first
-    plugin manager started) that this one uses by URL instead of starting its own."""
+    plugin manager started) that this one uses by URL instead of starting its own. `async-`
+    modes: v1's asynchronous trainers' manager and client (partial.py)."""
     from verl.utils.import_utils import load_class_from_fqn
-    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
+    from verl_harness import partial
 
     plugin = mode.endswith("plugin")
-    v1 = mode.startswith("v1")
-    config = compose_config(model_dir, work, plugin, v1, sidecar)
-    client = LLMServerClient(config=config, load_balancer_handle=serving.balancer)
+    asynchronous = mode.startswith("async")
+    v1 = mode.startswith("v1") or asynchronous
+    extra = partial.overrides() if asynchronous else ()
+    config = compose_config(model_dir, work, plugin, v1, sidecar, extra)
+    client_cls = FullyAsyncLLMServerClient if asynchronous else LLMServerClient  # get_llm_client
+    client = client_cls(config=config, load_balancer_handle=serving.balancer)
     fqn = config.actor_rollout_ref.rollout.get("agent", {}).get("agent_loop_manager_class")
     if fqn:  # as verl's trainers do: main_ppo.py (v1), ray_trainer.py (legacy)
         manager_cls = load_class_from_fqn(fqn, "AgentLoopManager")
@@ -257,7 +276,7 @@ def build(mode: str, serving: Serving, model_dir: str, work: Path, reward_worker
         teacher_client=None,
         reward_loop_worker_handles=reward_workers,
     )
-    return Built(mode, manager, serving.server)
+    return Built(mode, manager, serving.server, config)
 
 
 def _server_calls(server: Any) -> int:
@@ -265,9 +284,15 @@ def _server_calls(server: Any) -> int:
     return calls
 
 
-def run(built: Built, work: Path) -> None:
-    """Two training steps and a validation pass, as the trainer hands them to the manager."""
+def run(built: Built, work: Path, vllm_url: str) -> None:
+    """Two training steps and a validation pass, as the trainer hands them to the manager;
+    `async-` modes: the schedule of weight syncs in partial.py."""
     manager, server, v1 = built.manager, built.server, built.mode.startswith("v1")
+    if built.mode.startswith("async"):
+        from verl_harness import partial
+
+        partial.run(manager, server, built.config, vllm_url, work, built.mode)
+        return
     results: dict[str, Any] = {}
     calls_before = _server_calls(server)
     for step in STEPS:
@@ -290,7 +315,7 @@ def run(built: Built, work: Path) -> None:
 
 def main() -> int:
     vllm_url, model_dir, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    default = ["verl", "plugin", "v1-verl", "v1-plugin"]
+    default = ["verl", "plugin", "v1-verl", "v1-plugin", "async-verl", "async-plugin"]
     modes = sys.argv[4].split(",") if len(sys.argv) > 4 else default
     paths = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": paths})
@@ -298,21 +323,29 @@ def main() -> int:
 
     config = compose_config(model_dir, work, False)
     rewards = RewardLoopManager(config, rm_resource_pool=None)
-    if any(mode.startswith("v1") for mode in modes):
+    if any(mode.startswith(("v1", "async")) for mode in modes):
         import transfer_queue as tq
 
         tq.init(config.transfer_queue)
     # Every manager first, so that their workers start at once; the second plugin manager
     # uses the proxy the first one started, by URL, as a sidecar is used.
     serving = Serving.start(vllm_url, config)
+    async_serving = None  # its own server actor: the rollout config differs (partial.py)
     built: list[Built] = []
     started = None
     for mode in modes:
-        built.append(build(mode, serving, model_dir, work, rewards.reward_loop_worker_handles,
+        if mode.startswith("async") and async_serving is None:
+            from verl_harness import partial
+
+            async_config = compose_config(model_dir, work, False, True, None, partial.overrides())
+            async_serving = Serving.start(vllm_url, async_config)
+        each = async_serving if mode.startswith("async") else serving
+        assert each is not None
+        built.append(build(mode, each, model_dir, work, rewards.reward_loop_worker_handles,
                            started if mode.endswith("plugin") else None))  # fmt: skip
         started = started or getattr(built[-1].manager, "_trace_proxy", None)
     for each in built:
-        run(each, work)
+        run(each, work, vllm_url)
     if started is not None:
         started.stop()  # drains: every record is in the store when this returns
     ray.shutdown()

@@ -12,6 +12,7 @@ from trace_proxy import safejson
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.redact import recorded_headers
 from trace_proxy.capture.sse import iter_data
+from trace_proxy.trajectories.keys import WEIGHT_VERSION_HEADER
 from trace_proxy.trajectories.record import (
     CallError,
     GenerateCall,
@@ -91,6 +92,20 @@ def http_error(status: int | None, body: Any) -> CallError | None:
         message = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
     text = message if isinstance(message, str) else safejson.dumps(message).decode()
     return CallError(type=f"http_{status}", message=text[:MAX_ERROR_MESSAGE])
+
+
+def stream_failure(ex: Exchange) -> CallError | None:
+    """The first error event of a 2xx event stream: servers refuse some requests after their
+    200 (SGLang's `/generate` raises its validation errors once the stream has begun)."""
+    if not ex.is_event_stream or ex.status is None or ex.status >= 400:
+        return None
+    try:
+        for event in stream_events(ex):
+            if "error" in event and "meta_info" not in event:
+                return stream_error(event)
+    except ParseError:
+        return None
+    return None
 
 
 def stream_error(event: Mapping[str, Any]) -> CallError:
@@ -384,10 +399,6 @@ def normalize_tool_calls(calls: Any) -> list[dict[str, Any]] | None:
     return normal or None
 
 
-def outputs_by_index(outputs: dict[int, Output]) -> list[Output]:
-    return [outputs[i] for i in sorted(outputs)]
-
-
 def weight_version_of(choice: Mapping[str, Any]) -> str | None:
     """The policy version that produced the last tokens of a choice.
 
@@ -405,16 +416,32 @@ def weight_version_of(choice: Mapping[str, Any]) -> str | None:
     return None
 
 
+MAX_VERSION_LEN = 256
+
+
+def weight_version_header(headers: Mapping[str, str]) -> str | None:
+    """The policy version the client says produced this call (a trainer that knows it, as
+    the verl plugin does: vLLM's `/v1/completions` reports none); None when absent or not a
+    short printable value."""
+    value = headers.get(WEIGHT_VERSION_HEADER)
+    if not value or len(value) > MAX_VERSION_LEN or not value.isprintable():
+        return None
+    return safejson.clean_text(value)
+
+
 def as_int_list(value: Any) -> list[int] | None:
-    """`value` if it is a list of integers (token ids), else None. Checked by summing in C:
-    prompts run to tens of thousands of ids, and a float makes the sum a float, anything else
-    not a number makes it raise. About 3x cheaper than building an `array` of them."""
+    """`value` if it is a list of integers (token ids), else None. Checked in C: prompts run to
+    tens of thousands of ids. Summing rejects a float (the sum is a float) and anything not a
+    number (it raises); JSON's `true` and `false` sum as integers, so a second pass looks for
+    them by type (about 35 us for 30,000 ids)."""
     if not isinstance(value, list):
         return None
     try:
-        return value if type(sum(value)) is int else None
+        if type(sum(value)) is not int:
+            return None
     except TypeError:
         return None
+    return None if bool in map(type, value) else value
 
 
 def as_prompt_ids(value: Any) -> TokenIds | None:

@@ -135,5 +135,5 @@ def _fill(calls: list[GenerateCall], ex: Exchange, n: int) -> None:
         if owner < len(calls) and calls[owner].prompt.token_ids is None:
             calls[owner].prompt.token_ids = as_int_list(ids)
     for owner, version in versions.items():
-        if owner < len(calls):
+        if owner < len(calls) and version is not None:
             calls[owner].weight_version = version

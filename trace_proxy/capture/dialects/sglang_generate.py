@@ -4,6 +4,9 @@ A request holds one prompt (`text` or `input_ids`) or a batch; with a batch or `
 non-streamed answer is a JSON list, one object per prompt x sample, and streamed chunks carry
 `index`. Streams are cumulative by default (each chunk repeats all text and ids so far) and
 incremental with `--incremental-streaming-output`; `meta_info.completion_tokens` tells which.
+A sequence the server refused after its stream began (the scheduler's prompt-length check, a
+timeout) ends with an abort that carries an HTTP status: that call failed, with the server's
+message; an abort without one (`/abort_request`, a pause) is a finish reason only.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from trace_proxy.capture.dialects.common import (
+    MAX_ERROR_MESSAGE,
     ParsedCall,
     ParseError,
     as_int_list,
@@ -26,7 +30,7 @@ from trace_proxy.capture.dialects.common import (
     unparsed_response,
 )
 from trace_proxy.capture.exchange import Exchange
-from trace_proxy.trajectories.record import Output, Prompt
+from trace_proxy.trajectories.record import CallError, Output, Prompt
 
 NAME = "sglang.generate"
 ROUTES = ("/generate",)
@@ -44,7 +48,9 @@ def _prompts(request: Mapping[str, Any]) -> list[Prompt]:
     text = request.get("text")
     if isinstance(text, str):
         return [Prompt(text=text)]
-    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+    if text == []:  # SGLang answers `[]`: nothing was generated
+        raise ParseError("'text' is an empty batch: no prompt to generate from")
+    if isinstance(text, list) and all(isinstance(t, str) for t in text):
         return [Prompt(text=t) for t in text]
     raise ParseError("request has neither 'text' nor 'input_ids'")
 
@@ -153,6 +159,7 @@ def _assign(items: list[tuple[int, Any]], parsed: list[ParsedCall], samples: lis
             )
         )
         call.request_id = call.request_id or text_of(meta.get("id"))
+        call.error = _refusal(finish) or call.error
         if meta.get("weight_version") is not None:
             call.weight_version = str(meta["weight_version"])
         usage = {
@@ -167,6 +174,22 @@ def _assign(items: list[tuple[int, Any]], parsed: list[ParsedCall], samples: lis
                 call.usage["completion_tokens"] = call.usage.get(
                     "completion_tokens", 0
                 ) + usage.get("completion_tokens", 0)
+
+
+def _refusal(finish: Any) -> CallError | None:
+    """An abort with an HTTP error status, as the tokenizer manager tells a refusal from a
+    graceful abort (`_handle_abort_finish_reason`: 400 <= status_code < 600)."""
+    if not isinstance(finish, dict) or finish.get("type") != "abort":
+        return None
+    status = finish.get("status_code")
+    if not isinstance(status, int) or isinstance(status, bool) or not 400 <= status < 600:
+        return None
+    kind = finish.get("err_type")
+    message = text_of(finish.get("message")) or ""
+    return CallError(
+        type=kind if isinstance(kind, str) and kind else f"http_{status}",
+        message=message[:MAX_ERROR_MESSAGE],
+    )
 
 
 def _text(value: Any) -> Any:

@@ -1,3 +1,4 @@
 """The backends: each turns records into what one tool stores and sends it there. The spool,
-batching, retry and processes around them are the parent package's (`runner.py`,
-`pipeline.py`, `process.py`), and `exporters/__init__.py` names and builds them."""
+batching and retry around them are the parent package's (`spool.py`, `runner.py`,
+`pipeline.py`; the export process that runs them is `processes/export.py`), and
+`exporters/__init__.py` names and builds them."""

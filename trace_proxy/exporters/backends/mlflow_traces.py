@@ -245,6 +245,7 @@ def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
                 "request_id": call.request_id,
                 "first_byte_ns": _ns(call.first_byte) if call.first_byte else None,
                 "weight_version": call.weight_version,
+                "version_lag": root.lag_of(call),
                 "segments": call.segments,
             }
         )
@@ -314,6 +315,7 @@ def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
             "part": root.part,
             "upstreams": root.upstreams or None,
             "weight_versions": root.weight_versions or None,
+            **root.policy_fields(),
             "annotations": root.annotations or None,
             "summary": root.summary or None,
         }

@@ -67,6 +67,7 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 from trace_proxy import __version__
 from trace_proxy.exporters.backends.otlp_conventions import (
     AGENT_NAME,
+    RL_VERSION,
     Attributes,
     CallView,
     content_size,
@@ -211,7 +212,7 @@ class OtlpExporter:
         top = view.root
         conversation = top.key.get("trajectory_id") or top.record_id
         providers = providers_of(view.calls)
-        calls = [CallView(call, providers, conversation) for call in view.calls]
+        calls = [CallView(c, providers, conversation, top.lag_of(c)) for c in view.calls]
         fill_messages(view, calls)
         start = min([top.start, *(c.start for c in view.calls), *(s.start for s in view.tools)])
         ends = [top.end, *(c.end or 0.0 for c in view.calls), *(s.end or 0.0 for s in view.tools)]
@@ -290,6 +291,7 @@ class OtlpExporter:
         }
         put(attributes, "http.response.status_code", int_or_none(event.http_status))
         put(attributes, "rollout.weight_version", event.weight_version)
+        put(attributes, RL_VERSION, event.weight_version)
         if event.params:
             attributes["trace_proxy.params"] = json_text(event.params)
         span = self._tracer.start_span(

@@ -41,17 +41,35 @@ SAMPLING_FLOATS = {
     "presence_penalty": "gen_ai.request.presence_penalty",
 }
 MAX_TOKENS_FIELDS = ("max_tokens", "max_completion_tokens", "max_new_tokens")
+# Asynchronous RL, in the `rl.*` namespace proposed for the GenAI conventions
+# (open-telemetry/semantic-conventions-genai#88): provisional names, none settled there yet.
+# No name is also a namespace (`rl.policy.version` is one attribute, so its bounds are
+# `rl.policy.version_min`, not `rl.policy.version.min`), as the conventions' naming asks.
+RL_VERSION = "rl.policy.version"  # the version that generated a call (its last attempt)
+RL_LAG = "rl.policy.lag"  # versions behind the newest the proxy had seen at close
+RL_ROOT = {  # `Root.policy_fields` name -> root attribute
+    "sample_id": "rl.sample.id",
+    "weight_version_min": "rl.policy.version_min",
+    "weight_version_max": "rl.policy.version_max",
+    "weight_version_latest": "rl.policy.version_latest",
+    "version_spread": "rl.policy.version_spread",
+    "version_lag": RL_LAG,
+    "partial_rollout": "rl.rollout.partial",
+}
 Attributes = dict[str, Any]
 
 
 class CallView:
     """One generate call, with its full input and output rendered as convention messages."""
 
-    __slots__ = ("call", "conversation", "input_messages", "operation", "output_messages",
+    __slots__ = ("call", "conversation", "input_messages", "lag", "operation", "output_messages",
                  "prompt_note", "provider", "tool_definitions")  # fmt: skip
 
-    def __init__(self, call: Generation, providers: dict[str, str], conversation: str) -> None:
+    def __init__(
+        self, call: Generation, providers: dict[str, str], conversation: str, lag: int | None
+    ) -> None:
         self.call = call
+        self.lag = lag  # `Root.lag_of`
         self.conversation = conversation
         self.operation = "chat" if call.dialect == "openai.chat" else "text_completion"
         self.provider = PROVIDERS.get(call.dialect or "") or providers.get(call.upstream or "")
@@ -89,6 +107,8 @@ class CallView:
         a["trace_proxy.route"] = call.route
         a["trace_proxy.upstream"] = call.upstream
         put(a, "rollout.weight_version", call.weight_version)
+        put(a, RL_VERSION, call.weight_version)
+        put(a, RL_LAG, self.lag)
         put(a, "trace_proxy.unparsed", call.unparsed)
         if call.error is not None:
             a["error.type"] = call.error.get("type")
@@ -304,6 +324,8 @@ def root_attributes(view: TrajectorySpans, conversation: str, calls: list[CallVi
         a["rollout.key_sources"] = json_text(key["sources"])
     if t.weight_versions:
         a["rollout.weight_versions"] = [str(v) for v in t.weight_versions]
+    for field, attribute in RL_ROOT.items():
+        put(a, attribute, t.policy_fields()[field])
     if t.upstreams:
         a["trace_proxy.upstreams"] = [str(u) for u in t.upstreams]
     if t.annotations:
@@ -401,6 +423,11 @@ def segment_event(span: trace.Span, segment: Mapping[str, Any]) -> None:
     put(attributes, "gen_ai.response.id", segment.get("request_id"))
     put(attributes, "http.response.status_code", int_or_none(segment.get("http_status")))
     put(attributes, "gen_ai.response.finish_reason", segment.get("finish_reason"))
+    put(attributes, RL_VERSION, segment.get("weight_version"))
+    put(
+        attributes, "trace_proxy.segment.carried_tokens", int_or_none(segment.get("carried_tokens"))
+    )
+    put(attributes, "trace_proxy.segment.tokens", int_or_none(segment.get("tokens")))
     put(attributes, "trace_proxy.segment.end_ns", _maybe_ns(_float(segment.get("end"))))
     span.add_event("segment", attributes=attributes, timestamp=ns(start))
 

@@ -25,7 +25,13 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
+from trace_proxy.trajectories import versions
+from trace_proxy.trajectories.prompts import (
+    expand_prompts,
+    prompt_texts,
+    prompt_token_counts,
+    transcript_of,
+)
 from trace_proxy.trajectories.record import GenerateCall, Trajectory, ids_list
 
 JSON = dict[str, Any]
@@ -52,8 +58,32 @@ class Root:
     summary: Any
     transcript: str | None  # the whole decoded conversation: stored, else from the pieces
     transcript_stored: bool  # stored because the decoded pieces do not spell it out
+    # Asynchronous RL: which policy versions generated it and how stale it was at close.
+    weight_version_min: str | None = None
+    weight_version_max: str | None = None
+    weight_version_latest: str | None = None
+    partial_rollout: bool = False
+    version_spread: int | None = None  # `versions.spread`
+    version_lag: int | None = None  # `versions.lag`
     id: str = ROOT
     parent: str | None = None
+
+    def policy_fields(self) -> JSON:
+        """What every backend's trajectory metadata says of its policy versions, named as
+        the record names them (`version_spread`, `version_lag`: `trajectories/versions.py`)."""
+        return {
+            "sample_id": self.key.get("sample_id"),
+            "weight_version_min": self.weight_version_min,
+            "weight_version_max": self.weight_version_max,
+            "weight_version_latest": self.weight_version_latest,
+            "partial_rollout": self.partial_rollout,
+            "version_spread": self.version_spread,
+            "version_lag": self.version_lag,
+        }
+
+    def lag_of(self, call: Generation) -> int | None:
+        """How many versions behind the newest at close the weights of `call` were."""
+        return versions.distance(call.weight_version, self.weight_version_latest)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,8 +172,8 @@ def trajectory_spans(record: Trajectory | JSON) -> TrajectorySpans:
     data = _fields_of(record) if isinstance(record, Trajectory) else record
     calls: list[JSON] = data.get("calls") or []
     prompts = _whole_prompts(calls)
-    counts = _whole_token_counts(calls)
-    texts = _whole_prompt_texts(calls, counts)
+    counts = prompt_token_counts(calls)
+    texts = prompt_texts(calls, counts)
     root = Root(
         record_id=data["id"],
         key=data.get("key") or {},
@@ -161,6 +191,12 @@ def trajectory_spans(record: Trajectory | JSON) -> TrajectorySpans:
         summary=data.get("summary"),
         transcript=transcript_of(data),
         transcript_stored=data.get("transcript") is not None,
+        weight_version_min=data.get("weight_version_min"),
+        weight_version_max=data.get("weight_version_max"),
+        weight_version_latest=data.get("weight_version_latest"),
+        partial_rollout=bool(data.get("partial_rollout")),
+        version_spread=versions.spread(data),
+        version_lag=versions.lag(data),
     )
     generations = tuple(
         _generation(position, *parts)
@@ -245,7 +281,7 @@ def _plain(value: Any) -> JSON:
 
 def _whole_prompts(calls: list[JSON]) -> list[JSON]:
     """Each call's whole prompt but its token ids (`expand_prompts` on what it reads, without
-    the ids: they are counted apart, `_whole_token_counts`)."""
+    the ids: they are counted apart, `prompt_token_counts`)."""
     stored = [
         {
             "prompt": {k: v for k, v in (call.get("prompt") or {}).items() if k != "token_ids"},
@@ -260,54 +296,6 @@ def _whole_prompts(calls: list[JSON]) -> list[JSON]:
     for prompt in prompts:
         prompt.pop("token_ids", None)
     return prompts
-
-
-def _whole_token_counts(calls: list[JSON]) -> list[int]:
-    """How many token ids each call's whole prompt has, as `expand_prompts` would build it."""
-    counts: list[int] = []
-    for position, call in enumerate(calls):
-        stored = call.get("prompt") or {}
-        own = len(stored.get("token_ids") or [])
-        ref = stored.get("prefix_call")
-        lengths = stored.get("prefix_len") or {}
-        if isinstance(ref, int) and 0 <= ref < position and "token_ids" in lengths:
-            first = (calls[ref].get("outputs") or [{}])[0]
-            context = counts[ref] + len(first.get("token_ids") or [])
-            own += len(range(context)[: lengths["token_ids"]])  # a slice's length, as sliced
-        counts.append(own)
-    return counts
-
-
-def _whole_prompt_texts(calls: list[JSON], counts: list[int]) -> list[str | None]:
-    """Each call's whole prompt decoded, when its stored piece extends a known whole context.
-
-    `prompt_text` decodes the token ids as stored: for a call sharing a prefix with an earlier
-    one, only the new suffix. The whole text is that call's whole prompt text, plus its first
-    response when shared, plus the piece; None when the sharing stops at another token.
-    """
-    texts: list[str | None] = []
-    for call in calls:
-        piece = call.get("prompt_text")
-        stored = call.get("prompt") or {}
-        ref = stored.get("prefix_call")
-        shared = (stored.get("prefix_len") or {}).get("token_ids")
-        if piece is None or ref is None or shared is None:
-            texts.append(piece)
-            continue
-        base_text = texts[ref] if 0 <= ref < len(texts) else None
-        base_ids = counts[ref] if 0 <= ref < len(counts) else 0
-        first = (calls[ref].get("outputs") or [{}])[0] if 0 <= ref < len(calls) else {}
-        if base_text is not None and shared == base_ids:
-            texts.append(base_text + piece)
-        elif (
-            base_text is not None
-            and first.get("response_text") is not None
-            and shared == base_ids + len(first.get("token_ids") or [])
-        ):
-            texts.append(base_text + first["response_text"] + piece)
-        else:
-            texts.append(None)
-    return texts
 
 
 def error_text(error: JSON | None) -> str | None:

@@ -36,11 +36,14 @@ step, with the conversation, the execution tree and the metadata (reward, key, t
 - Step: the trajectory's step; trajectories without one are logged at step 0 with
   `metadata.step = None`. Validation trajectories share the step and carry `validate: true`.
 - Messages, the whole multi-turn conversation: for chat dialects the last call's full messages
-  and its response; for token dialects the decoded text (token2text, else the server's text):
-  a user message with the first prompt, an assistant message per response, the tool results as
-  `role: tool` messages answering `tool_calls` built from the parsed tool spans (text added by
-  the client that is not a tool result becomes a user message). The dashboard previews the first
-  assistant message, so one that only calls tools gets the calls written out as its content.
+  and its response; for token dialects the messages the SFT export gives the same record, read
+  from the decoded text by `trajectories.conversation` with `--tool-parser`: the first prompt's
+  turns, each answer with its `tool_calls` named after the tool spans, and every turn a later
+  prompt adds (tool results as `role: tool` messages, the user's next question); text in no
+  chat template the parser knows is a user message marked `unparsed`. Members without a value
+  are left out. Without decoded text: the first prompt (or a note that it was not decoded) and
+  the server's answers. The dashboard previews the first assistant message, so one that only
+  calls tools gets the calls written out as its content.
 - Spans: a root `agent_loop` span for the trajectory, a `generation` span per generate call
   (model, usage, what the call added to the prompt, the response) and a `tool` span per tool
   call, all children of the root, with ISO-8601 times and `duration_ms`.
@@ -80,7 +83,9 @@ from trace_proxy.exporters.backends.spans import (
 )
 from trace_proxy.exporters.base import ExportRejected
 from trace_proxy.store.names import store_name
+from trace_proxy.trajectories.conversation import token_messages
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
+from trace_proxy.trajectories.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
 
 log = logging.getLogger(__name__)
 
@@ -103,10 +108,17 @@ class TrackioExporter:
     name = "trackio"
 
     def __init__(
-        self, project: str, directory: Path | None = None, *, max_open_runs: int = MAX_OPEN_RUNS
+        self,
+        project: str,
+        directory: Path | None = None,
+        *,
+        max_open_runs: int = MAX_OPEN_RUNS,
+        tool_parser: ToolCallParser | None = None,
     ) -> None:
         """`project`: where records that name no project go (records keep the project of
-        their key, as in the jsonl store); `directory`: trackio's TRACKIO_DIR."""
+        their key, as in the jsonl store); `directory`: trackio's TRACKIO_DIR; `tool_parser`:
+        how decoded text writes turns and tool calls (token2text's, `--tool-parser`)."""
+        self.tool_parser = tool_parser or get_parser(DEFAULT_PARSER)
         self._trackio = _import_trackio(directory)
         from trackio.sqlite_storage import SQLiteStorage
 
@@ -218,21 +230,24 @@ class TrackioExporter:
         data: JSON = orjson.loads(dumps(record))
         if isinstance(record, Annotation):
             return self._trackio.Trace([], metadata=annotation_metadata(data))
-        messages, spans, metadata = render_trajectory(data)
+        messages, spans, metadata = render_trajectory(data, self.tool_parser)
         return self._trackio.Trace(messages, metadata=metadata, spans=spans)
 
 
 @dataclass(frozen=True)
 class TrackioConfig:
-    """What the trackio backend is told: `--project` (of records that name none) and
-    `--trackio-dir` (None: TRACKIO_DIR, else trackio's own default)."""
+    """What the trackio backend is told: `--project` (of records that name none),
+    `--trackio-dir` (None: TRACKIO_DIR, else trackio's own default) and `--tool-parser`."""
 
     project: str
     directory: Path | None = None
+    tool_parser: str = DEFAULT_PARSER
 
 
 def create(config: TrackioConfig) -> TrackioExporter:
-    return TrackioExporter(config.project, config.directory)
+    return TrackioExporter(
+        config.project, config.directory, tool_parser=get_parser(config.tool_parser)
+    )
 
 
 def _import_trackio(directory: Path | None) -> Any:
@@ -260,13 +275,16 @@ def _import_trackio(directory: Path | None) -> Any:
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def render_trajectory(data: JSON) -> tuple[list[JSON], list[JSON], JSON]:
-    """(messages, spans, metadata) of a trajectory in its JSON form."""
+def render_trajectory(
+    data: JSON, parser: ToolCallParser | None = None
+) -> tuple[list[JSON], list[JSON], JSON]:
+    """(messages, spans, metadata) of a trajectory in its JSON form; `parser` reads the
+    decoded text of token-in calls (the `--tool-parser` token2text used; hermes if None)."""
     view = trajectory_spans(data)
     if view.calls and view.calls[-1].prompt.get("messages") is not None:
         messages = chat_messages(view.calls[-1])
     else:
-        messages = token_messages(view)
+        messages = token_conversation(data, view, parser or get_parser(DEFAULT_PARSER))
     ensure_visible_first_answer(messages)
     return messages, spans_of(view), trajectory_metadata(view)
 
@@ -288,63 +306,24 @@ def assistant_message(output: JSON, text: str | None = None) -> JSON:
     return message
 
 
-def token_messages(view: TrajectorySpans) -> list[JSON]:
-    """The conversation from decoded text: the first prompt as a user message, then each
-    response, the tool results that followed it, and any other text the client added."""
-    calls, tools = view.calls, view.tools
-    if not calls:
+def token_conversation(data: JSON, view: TrajectorySpans, parser: ToolCallParser) -> list[JSON]:
+    """The conversation from decoded text, read as the SFT export reads it
+    (`trajectories.conversation`): every turn each prompt adds, each answer with its tool calls
+    named after the tool spans; a message's empty members left out. Without decoded text: the
+    first prompt (or a note that it was not decoded) and the answers as the server gave them."""
+    messages = token_messages(data, parser)
+    if messages is not None:
+        return [
+            {name: value for name, value in m.items() if value is not None and value is not False}
+            for m in messages
+        ]
+    if not view.calls:
         return []
-    if not _linear(calls):  # the client re-rendered or dropped earlier turns
-        return _last_call_messages(view)
-    messages: list[JSON] = [{"role": "user", "content": _full_prompt_text(calls[0])}]
-    for position, call in enumerate(calls):
-        if position > 0:
-            answered = [s for s in _text_tools(tools, position - 1) if s.result is not None]
-            added = _added_text(call)
-            if not answered and added:  # a user turn (interaction), not a tool result
-                messages.append({"role": "user", "content": added})
-        if not call.outputs:
-            continue
-        messages.append(_token_answer(call.outputs[0], _text_tools(tools, position)))
-        messages.extend(_tool_results(_text_tools(tools, position)))
-    return messages
-
-
-def _last_call_messages(view: TrajectorySpans) -> list[JSON]:
-    call = view.calls[-1]
-    outputs = call.outputs
-    response = _output_text(outputs[0]) if outputs else None
-    transcript = view.root.transcript if view.root.transcript_stored else None
-    if transcript is not None and response and transcript.endswith(response):
-        prompt_text: str | None = transcript[: len(transcript) - len(response)]
-    else:
-        prompt_text = _full_prompt_text(call)
-    messages: list[JSON] = [{"role": "user", "content": prompt_text}]
-    if outputs:
-        own = _text_tools(view.tools, call.index)
-        messages.append(_token_answer(outputs[0], own))
-        messages.extend(_tool_results(own))
-    return messages
-
-
-def _linear(calls: tuple[Generation, ...]) -> bool:
-    """Each call's prompt extends the whole of the previous call's prompt and response."""
-    for position in range(1, len(calls)):
-        prompt = calls[position].stored_prompt
-        lengths = prompt.get("prefix_len") or {}
-        if prompt.get("prefix_call") != position - 1 or not lengths:
-            return False
-        previous = calls[position - 1]
-        first = (previous.outputs or [{}])[0]
-        whole = {
-            "token_ids": previous.prompt_tokens + len(first.get("token_ids") or []),
-            "text": len(previous.prompt.get("text") or "") + len(first.get("text") or ""),
-        }
-        if any(
-            lengths.get(kind) != whole[kind] for kind in ("token_ids", "text") if kind in lengths
-        ):
-            return False
-    return True
+    undecoded: list[JSON] = [{"role": "user", "content": _full_prompt_text(view.calls[0])}]
+    undecoded += [
+        assistant_message(c.outputs[0], _output_text(c.outputs[0])) for c in view.calls if c.outputs
+    ]
+    return undecoded
 
 
 def _full_prompt_text(call: Generation) -> str:
@@ -355,14 +334,6 @@ def _full_prompt_text(call: Generation) -> str:
     return f"[{call.prompt_tokens} prompt tokens, not decoded: run the proxy with --token2text]"
 
 
-def _added_text(call: Generation) -> str | None:
-    """What this call's prompt added after the previous call's prompt and response."""
-    if call.prompt_piece is not None:
-        return str(call.prompt_piece)
-    text = call.stored_prompt.get("text")
-    return None if text is None else str(text)
-
-
 def _output_text(output: JSON) -> str | None:
     text = output.get("response_text")
     if text is None:
@@ -370,32 +341,8 @@ def _output_text(output: JSON) -> str | None:
     return None if text is None else str(text)
 
 
-def _text_tools(tools: tuple[Tool, ...], position: int) -> list[Tool]:
-    """Tool calls the model wrote in the response of call `position` (not tool servers)."""
-    return [s for s in tools if s.requested_by == position and s.observed != "http_tool_server"]
-
-
 def _tool_call_id(span: Tool) -> str:
     return str(span.call_id or f"call-{span.index}")
-
-
-def _token_answer(output: JSON, spans: list[Tool]) -> JSON:
-    message = assistant_message(output, _output_text(output))
-    calls = [
-        {"id": _tool_call_id(s), "type": "function",
-         "function": {"name": s.name, "arguments": s.arguments}}
-        for s in spans if s.name is not None
-    ]  # fmt: skip
-    if calls and not message.get("tool_calls"):
-        message["tool_calls"] = calls
-    return message
-
-
-def _tool_results(spans: list[Tool]) -> list[JSON]:
-    return [
-        {"role": "tool", "tool_call_id": _tool_call_id(s), "content": s.result}
-        for s in spans if s.result is not None and s.name is not None
-    ]  # fmt: skip
 
 
 def ensure_visible_first_answer(messages: list[JSON]) -> None:
@@ -407,8 +354,9 @@ def ensure_visible_first_answer(messages: list[JSON]) -> None:
     calls = [c.get("function") or {} for c in first.get("tool_calls") or [] if isinstance(c, dict)]
     if calls:
         first["content"] = "\n".join(f"{c.get('name')}({c.get('arguments') or ''})" for c in calls)
-    elif first.get("reasoning"):
-        first["content"] = f"(reasoning only) {first['reasoning']}"
+    elif first.get("reasoning") or first.get("reasoning_content"):
+        reasoning = first.get("reasoning") or first.get("reasoning_content")
+        first["content"] = f"(reasoning only) {reasoning}"
     else:
         first["content"] = "(empty response)"
 
@@ -461,12 +409,12 @@ def spans_of(view: TrajectorySpans) -> list[JSON]:
             "annotations": root.annotations,
         },
     }]  # fmt: skip
-    spans.extend(_generation_span(root_id, call) for call in view.calls)
+    spans.extend(_generation_span(root_id, call, view.root.lag_of(call)) for call in view.calls)
     spans.extend(_tool_span(root_id, tool) for tool in view.tools)
     return spans
 
 
-def _generation_span(root_id: str, call: Generation) -> JSON:
+def _generation_span(root_id: str, call: Generation, lag: int | None) -> JSON:
     dialect = str(call.dialect)
     rendered = [_generation_output(o) for o in call.outputs]
     return {
@@ -491,6 +439,7 @@ def _generation_span(root_id: str, call: Generation) -> JSON:
             "stream": call.stream,
             "ttft_ms": duration_ms(call.start, call.first_byte),
             "weight_version": call.weight_version,
+            "version_lag": lag,
             "sampling": call.sampling,
             "unparsed": call.unparsed,
             "segments": call.segments,
@@ -582,6 +531,7 @@ def trajectory_metadata(view: TrajectorySpans) -> JSON:
         "status": "error" if root.status == "error" else "success",
         "close_reason": root.close_reason,
         "weight_versions": root.weight_versions,
+        **root.policy_fields(),
         "model": next((c.model for c in reversed(calls) if c.model), None),
         "num_turns": summary.get("calls", len(calls)),
         "num_tool_calls": summary.get("tool_calls"),

@@ -292,7 +292,7 @@ class WeaveExporter:
                 child_id,
                 op,
                 inputs=generation_inputs(call),
-                attributes=generation_attributes(call),
+                attributes=generation_attributes(call, root),
                 display=f"{op} {call.model or ''}".strip(),
                 span=call,
                 output=generation_output(call),
@@ -402,6 +402,7 @@ def root_attributes(root: spans.Root) -> JSON:
         "trajectory_id": key.get("trajectory_id"),
         "project": key.get("project"),
         "record_id": root.record_id,
+        **{name: value for name, value in root.policy_fields().items() if value is not None},
     }
     if root.reward is not None:
         attributes["reward"] = root.reward
@@ -467,7 +468,7 @@ def generation_output(call: spans.Generation) -> JSON:
     return rendered
 
 
-def generation_attributes(call: spans.Generation) -> JSON:
+def generation_attributes(call: spans.Generation, root: spans.Root) -> JSON:
     return {
         "index": call.index,
         "dialect": call.dialect,
@@ -477,6 +478,7 @@ def generation_attributes(call: spans.Generation) -> JSON:
         "http_status": call.http_status,
         "stream": call.stream,
         "weight_version": call.weight_version,
+        "version_lag": root.lag_of(call),
         "ttft_ms": spans.duration_ms(call.start, call.first_byte),
     }
 

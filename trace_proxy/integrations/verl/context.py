@@ -18,6 +18,7 @@ class RunState:
     reward: float | None = None
     generates: int = 0
     admin_urls: set[str] = field(default_factory=set)  # the proxies its calls went through
+    closed: bool = False  # told to the proxies as done
 
 
 CURRENT_RUN: ContextVar[RunState | None] = ContextVar("trace_proxy_verl_run", default=None)

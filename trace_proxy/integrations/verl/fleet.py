@@ -12,8 +12,11 @@ and each proxy costs two helper processes and a spool.
 Each proxy writes its own replica directory, `<output>/replicas/<node>`, so several never
 write one file; `trace-proxy show` and `trace-proxy ui` read the replicas of one output as one
 store. A proxy that dies is started again on the same ports by its actor (and a dead actor by
-Ray, on new ports, which the workers ask it for); meanwhile its calls take verl's own path,
-counted. The proxies stop, after writing every record, with the process that started them.
+Ray, on new ports, which the workers ask it for, and into a replica directory of its own
+while the dead actor's proxy still drains into the first); meanwhile its calls take verl's own
+path, counted. A proxy ends with its actor: stopped, or when the actor dies however it dies
+(as when Ray ends the job: verl's trainer never stops anything), draining what it holds first
+(launcher.py).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from trace_proxy.integrations.verl.launcher import (
     register_servers,
 )
 from trace_proxy.integrations.verl.link import Route
+from trace_proxy.store.leftovers import SPOOL, idle
 
 log = logging.getLogger(__name__)
 REPLICAS = "replicas"  # <output>/replicas/<name>: one directory per proxy
@@ -90,6 +94,9 @@ class NodeProxy:
         self, args: list[str], output: str, token: str, servers: list[str], timeout: float
     ) -> None:
         self._host = _host(servers[0])
+        if not idle(Path(output) / SPOOL):  # a dead actor's proxy still draining into it
+            output = f"{output}-{uuid.uuid4().hex[:6]}"
+        self._output = output
         self._args = [*args, "--output", output, "--host", self._host]
         self._token = token
         self._servers = servers
@@ -107,15 +114,15 @@ class NodeProxy:
     def _watch(self) -> None:
         while True:
             proxy = self._proxy
-            code = proxy.process.wait()
+            proxy.process.wait()
+            proxy.process.release()
             if self._stopping.is_set():
                 return
             ports = (_port(proxy.proxy_url), _port(proxy.admin_url))
             log.warning(
-                "trace-proxy on %s exited (code %s): starting it again on the same ports; "
+                "trace-proxy on %s exited: starting it again on the same ports; "
                 "its calls take verl's own path meanwhile",
                 self._host,
-                code,
             )
             while not self._stopping.is_set():
                 try:
@@ -131,15 +138,16 @@ class NodeProxy:
         return self._proxy.proxy_url, self._proxy.admin_url
 
     def status(self) -> dict[str, Any]:
-        """For tests and operators: the proxy's process and how often it was started again."""
+        """For tests and operators: the proxy's process, where it writes, and how often it
+        was started again."""
         return {"pid": self._proxy.process.pid, "restarts": self.restarts,
-                "node_id": _node_id(), "proxy_url": self._proxy.proxy_url}  # fmt: skip
+                "node_id": _node_id(), "proxy_url": self._proxy.proxy_url,
+                "output": self._output}  # fmt: skip
 
-    def stop(self) -> int | None:
+    def stop(self) -> None:
         """SIGTERM to the proxy: it finishes what is in flight and writes every record."""
         self._stopping.set()
         self._proxy.stop()
-        return self._proxy.process.returncode
 
 
 def _port(url: str) -> int:
@@ -148,8 +156,9 @@ def _port(url: str) -> int:
 
 @dataclass
 class ProxyFleet:
-    """The node proxies of one trainer: started with its agent-loop manager, stopped (each
-    drained) when the trainer's process ends."""
+    """The node proxies of one trainer, started with its agent-loop manager. Each ends with
+    its actor, drained, when Ray kills the job's actors; `stop` (also at the exit of a
+    process that runs its exit handlers) ends them sooner."""
 
     actors: dict[str, Any]  # node id -> NodeProxy actor
     routes: dict[str, Route]  # server id -> the proxy of its node

@@ -4,21 +4,21 @@ is given.
 A proxy the plugin runs (one per node that hosts a rollout server, see fleet.py) is this
 interpreter's `trace-proxy serve`, on ports the kernel picks (the same ones again when it is
 restarted), accepting upstreams registered with a token made for the run, which it gets in its
-environment, never on its command line. It ends with the process that started it (SIGTERM,
-so it drains and writes every record first).
+environment, never on its command line. It is started detached (processes/detach.py): not the
+child of the Ray actor that starts it, in a session of its own, so Ray's killing of the actor's
+children and process group when the job ends does not reach it. It ends with that actor all
+the same: on `stop` (SIGTERM), or when the actor dies however it dies (its lifeline pipe closes),
+draining first, within a bound, so every record it holds is written.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
-import ctypes
 import json
 import os
 import re
 import secrets
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -27,6 +27,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from trace_proxy.integrations.verl.settings import TOKEN_ENV
+from trace_proxy.processes.detach import DetachedProcess, lifeline_pipe, start
 
 _ADDRESSES = re.compile(r"forwarding (\S+) -> .*metrics at (\S+)/metrics")
 STOP_TIMEOUT_S = 60.0
@@ -38,28 +39,19 @@ class ProxyStartError(RuntimeError):
 
 @dataclass
 class LaunchedProxy:
-    process: subprocess.Popen[str]
+    process: DetachedProcess
     proxy_url: str
     admin_url: str
     admin_token: str
 
     def stop(self) -> None:
         """SIGTERM: the proxy finishes in-flight requests and spools every record."""
-        if self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        if self.process.running():
+            self.process.send_signal(signal.SIGTERM)
+            if not self.process.wait(STOP_TIMEOUT_S):
+                self.process.send_signal(signal.SIGKILL)
                 self.process.wait()
-
-
-def _end_with_parent() -> None:
-    """In the child: SIGTERM when the process that started it dies (Linux), so a trainer
-    killed without running its exit handlers does not leave the proxy behind."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        self.process.release()
 
 
 def make_token() -> str:
@@ -74,24 +66,20 @@ def launch(
     """Start `trace-proxy serve` and wait until /ready; ProxyStartError with its output if not.
     `ports`: the proxy's and the admin port (0: any free one)."""
     token = token or make_token()
+    lifeline = lifeline_pipe()
     command = [sys.executable, "-m", "trace_proxy", "serve", "--register-upstreams",
-               "--port", str(ports[0]), "--admin-port", str(ports[1]), *args]  # fmt: skip
-    process = subprocess.Popen(
-        command,
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, TOKEN_ENV: token},  # never on the command line, where ps shows it
-        preexec_fn=_end_with_parent if sys.platform == "linux" else None,
-    )
-    assert process.stdout is not None
+               "--port", str(ports[0]), "--admin-port", str(ports[1]), *args,
+               "--lifeline-fd", str(lifeline[0])]  # fmt: skip
+    env = {**os.environ, TOKEN_ENV: token}  # never on the command line, where ps shows it
+    try:
+        process = start(command, lifeline, env)
+    except OSError as exc:
+        raise ProxyStartError(f"trace-proxy did not start: {exc}") from None
     lines: list[str] = []
     found: list[tuple[str, str]] = []
     announced = threading.Event()
 
     def read() -> None:  # keeps draining, so the proxy never blocks on a full pipe
-        assert process.stdout is not None
         for line in process.stdout:
             if not found:
                 lines.append(line)
@@ -108,14 +96,14 @@ def launch(
         launched = LaunchedProxy(process, found[0][0], found[0][1], token)
     deadline = time.monotonic() + timeout
     while launched is not None and not ready(launched.admin_url):
-        if process.poll() is not None or time.monotonic() > deadline:
+        if not process.running() or time.monotonic() > deadline:
             launched = None
             break
         time.sleep(0.2)
     if launched is None:
-        if process.poll() is None:
-            process.kill()
+        process.send_signal(signal.SIGKILL)
         process.wait()
+        process.release()
         output = "".join(lines[-20:]).strip() or "(no output)"
         raise ProxyStartError(f"trace-proxy did not start ({' '.join(command[:4])} ...):\n{output}")
     atexit.register(launched.stop)

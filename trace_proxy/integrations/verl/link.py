@@ -31,6 +31,7 @@ from trace_proxy.integrations.verl.mapping import (
     vllm_result,
 )
 from trace_proxy.proxy.upstreams import UPSTREAM_HEADER
+from trace_proxy.trajectories.keys import WEIGHT_VERSION_HEADER
 
 log = logging.getLogger(__name__)
 RETRY_AFTER_S = 30.0  # a proxy found unreachable is tried again after this long
@@ -65,9 +66,10 @@ class TrajectoryTags:
     rollout_n: int
     validate: bool
     trajectory_id: str
+    sample_id: str | None = None  # verl's `uid` of the sample, when its batch has one
 
     def headers(self) -> dict[str, str]:
-        return {
+        found = {
             "X-Rollout-Project": self.project,
             "X-Rollout-Experiment": self.experiment,
             "X-Rollout-Step": str(self.step),
@@ -76,6 +78,9 @@ class TrajectoryTags:
             "X-Rollout-Validate": "true" if self.validate else "false",
             "X-Rollout-Trajectory-Id": self.trajectory_id,
         }
+        if self.sample_id is not None:
+            found["X-Rollout-Sample-Id"] = self.sample_id
+        return found
 
 
 @dataclass
@@ -209,8 +214,10 @@ class ProxyLink:
         request_id: str,
         priority: int = 0,
         route: Route | None = None,
+        weight_version: Any = None,
     ) -> GenerateResult:
-        """One generate through `route`'s proxy (else the server's) to `server_id`.
+        """One generate through `route`'s proxy (else the server's) to `server_id`;
+        `weight_version`, the policy version that generates it, is recorded with it.
         ProxyUnreachable when the proxy is the problem (verl's own path then runs); a
         server's own error is raised as verl's path would raise it (RuntimeError with the
         server's message)."""
@@ -229,6 +236,8 @@ class ProxyLink:
             path = "/generate"
         headers = {**tags.headers(), UPSTREAM_HEADER: server_id,
                    "Content-Type": "application/json"}  # fmt: skip
+        if weight_version is not None:
+            headers[WEIGHT_VERSION_HEADER] = str(weight_version)
         try:
             async with self._open().post(
                 route.proxy_url + path, data=orjson.dumps(body), headers=headers

@@ -78,7 +78,16 @@ def server_limits(config: Any) -> ServerLimits:
     )
 
 
-def _variant(settings: PluginSettings, config: Any) -> str:
+def is_fully_async(config: Any, llm_client: Any) -> bool:
+    """verl's fully asynchronous rollouter's manager: its client and its config section."""
+    from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
+
+    return isinstance(llm_client, FullyAsyncLLMServerClient) and "async_training" in config
+
+
+def _variant(settings: PluginSettings, config: Any, llm_client: Any) -> str:
+    if is_fully_async(config, llm_client):
+        return "fully_async"  # whatever trace_proxy.manager says: no other manager runs it
     if settings.manager != "auto":
         return settings.manager
     for depth in range(2, 8):  # the one-step-off-policy trainer builds the legacy manager
@@ -128,11 +137,15 @@ def _decider(settings: PluginSettings, link: ProxyLink) -> StepDecider:
     return StepDecider(chooser, admin_urls, link.admin_token)
 
 
-def _manager_class(variant: str, settings: PluginSettings, decider: StepDecider) -> Any:
+def _manager_class(
+    variant: str, settings: PluginSettings, decider: StepDecider, llm_client: Any
+) -> Any:
     import ray
     from verl.utils.ray_utils import auto_await
 
     names = (settings.project, settings.experiment)
+    if variant == "fully_async":
+        return fully_async_manager_class(settings, decider, llm_client)
     if variant == "legacy":
         from verl.experimental.agent_loop import AgentLoopManager, AgentLoopWorker
 
@@ -180,22 +193,109 @@ def _data(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") else value
 
 
+def fully_async_manager_class(
+    settings: PluginSettings, decider: StepDecider, llm_client: Any
+) -> Any:
+    """verl's `FullyAsyncAgentLoopManager` with the traced worker; each sample (and each
+    validation batch) goes to its worker with its step: the policy version at its start."""
+    import ray
+    from verl.experimental.agent_loop import AgentLoopWorker
+    from verl.experimental.fully_async_policy import fully_async_rollouter
+    from verl.utils.ray_utils import auto_await
+
+    from trace_proxy.integrations.verl.fully_async import verl_class
+
+    base: Any = verl_class(fully_async_rollouter.FullyAsyncAgentLoopManager)
+    worker = ray.remote(traced_worker_class(AgentLoopWorker, settings.project,
+                                            settings.experiment))  # fmt: skip
+    versions = ServerVersions.of(llm_client)
+
+    async def stepped(prompts: Any, validate: bool) -> Any:
+        step = await versions.newest()
+        if step is None:
+            return prompts  # no server reports a version: verl's own step (-1)
+        index = prompts.non_tensor_batch.get("index")
+        await asyncio.to_thread(decider.decide, step, validate, index)
+        return _with_step(prompts, step)
+
+    async def generate_sequences_single(self: Any, prompts: Any) -> Any:
+        return await base.generate_sequences_single(self, await stepped(prompts, False))
+
+    @auto_await  # type: ignore[untyped-decorator]  # as verl's: awaited, or run through
+    async def generate_sequences(self: Any, prompts: Any) -> Any:
+        validate = bool(prompts.meta_info.get("validate", False))
+        return await base.generate_sequences(self, await stepped(prompts, validate))
+
+    return type(
+        "TracedFullyAsyncAgentLoopManager",
+        (base,),
+        {
+            "agent_loop_workers_class": worker,
+            "generate_sequences_single": generate_sequences_single,
+            "generate_sequences": generate_sequences,
+        },
+    )
+
+
+def _read_version(server: Any) -> Any:
+    return server.global_steps
+
+
+class ServerVersions:
+    """The policy version verl's rollout servers hold now (their `global_steps`, which verl's
+    trainer sets at each weight sync): the newest of them, as a sample started now meets it."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    @classmethod
+    def of(cls, llm_client: Any) -> ServerVersions:
+        import ray
+
+        balancer = llm_client._load_balancer
+        try:
+            table = ray.get(balancer.__ray_call__.remote(lambda b: dict(b._servers)))
+        except Exception:  # a custom balancer without verl's handle table
+            table = {}
+        return cls(list(table.values()))
+
+    async def newest(self) -> int | None:
+        reads = [handle.__ray_call__.remote(_read_version) for handle in self.handles]
+        found = await asyncio.gather(*reads, return_exceptions=True)
+        versions = [int(v) for v in found if isinstance(v, int) and not isinstance(v, bool)]
+        return max(versions) if versions else None
+
+
+def _with_step(prompts: Any, step: int) -> Any:
+    """The batch as verl's worker gets it, with `step` where verl puts a trainer's step: a
+    new DataProto sharing the data (the rollouter's own batch is left as it is; the worker
+    reads `global_steps` only to tag the run, and returns a batch of its own)."""
+    from verl import DataProto
+
+    meta = {**prompts.meta_info, "global_steps": step}
+    return DataProto(batch=prompts.batch, non_tensor_batch=prompts.non_tensor_batch,
+                     meta_info=meta)  # fmt: skip
+
+
 def create(
     config: Any,
     llm_client: Any,
     teacher_client: Any = None,
     reward_loop_worker_handles: Any = None,
+    *,
+    fully_async: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """What `AgentLoopManager.create` does for verl's trainers."""
+    """What `AgentLoopManager.create` does for verl's trainers; `fully_async`: called in
+    place of `FullyAsyncAgentLoopManager.create` by verl's rollouter (fully_async.py)."""
     version = check_version()
     settings = read_settings(config)
-    variant = _variant(settings, config)
+    variant = "fully_async" if fully_async else _variant(settings, config, llm_client)
     limits = server_limits(config)
     link, fleet = _connect(settings, llm_client, limits)
     try:
         install(llm_client, link)
-        manager_cls = _manager_class(variant, settings, _decider(settings, link))
+        manager_cls = _manager_class(variant, settings, _decider(settings, link), llm_client)
         manager = manager_cls.create(
             config=config,
             llm_client=llm_client,
@@ -207,7 +307,7 @@ def create(
         if fleet is not None:
             fleet.stop()
         raise
-    manager._trace_proxy = fleet  # stopped with the process (atexit), each drained first
+    manager._trace_proxy = fleet  # each proxy drains and ends with its actor (fleet.py)
     where = link.proxy_url or f"{len(fleet.actors) if fleet else 0} node proxies"
     log.warning("trace-proxy: verl %s %s agent loop traced through %s (%d servers)", version,
                 variant, where, len(link.routes) or 1)  # fmt: skip

@@ -67,6 +67,9 @@ class StepDecider:
     admin_urls: Sequence[str]
     admin_token: str | None
     failures: int = 0
+    # How many kept samples each step's last message named: a step decided one sample at a
+    # time (verl's fully async rollouter) is told again only when its choice grows.
+    _told: OrderedDict[tuple[int, bool], int] = field(default_factory=OrderedDict)
 
     def decide(self, step: Any, validate: bool, indices: Sequence[Any] | None) -> None:
         if indices is None or step is None:
@@ -74,6 +77,12 @@ class StepDecider:
         kept = self.chooser.choose(int(step), bool(validate), [_plain(i) for i in indices])
         if kept is None:
             return
+        key = (int(step), bool(validate))
+        if self._told.get(key) == len(kept):
+            return
+        self._told[key] = len(kept)
+        while len(self._told) > STEPS_REMEMBERED:
+            self._told.popitem(last=False)
         body = json.dumps({"experiment": self.chooser.experiment, "step": int(step),
                            "validate": bool(validate), "kept": kept}).encode()  # fmt: skip
         for admin_url in self.admin_urls:

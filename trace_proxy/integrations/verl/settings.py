@@ -6,16 +6,22 @@ trackio), `token2text`, `project_name`, `experiment_name`, and
 `agent.num_workers` samples of each step are kept, whole GRPO groups, chosen once for the
 whole step). A `trace_proxy.*` key, when given, wins over verl's. Text is decoded (token2text:
 readable calls, and tool calls parsed into tool spans) whenever the model's tokenizer is a
-local directory, unless `token2text` says false. Pure: reads a mapping, imports no verl.
+local directory, unless the user said otherwise: `trace_proxy.token2text`, or verl's
+`trace.token2text` at a value other than verl's own default (verl ships `false`, and its
+composed config keeps no record of who set a value, so verl's `false` cannot say "off").
+Reads a mapping and verl's shipped rollout.yaml; imports no verl.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 TOKEN_ENV = "TRACE_PROXY_ADMIN_TOKEN"
 # Keys of `trace_proxy.*` with the proxy option each sets, for a proxy the plugin starts.
@@ -38,6 +44,8 @@ PLUGIN_KEYS = frozenset(
      "output", "host"}
 )  # fmt: skip
 VERL_BACKENDS = {"mlflow": "mlflow", "weave": "weave", "trackio": "trackio"}
+# The file verl composes `actor_rollout_ref.rollout` from, inside its package.
+VERL_ROLLOUT_YAML = ("trainer", "config", "rollout", "rollout.yaml")
 
 
 class PluginConfigError(ValueError):
@@ -78,8 +86,13 @@ def _flag(value: Any) -> bool:
     return str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-def read_settings(config: Any) -> PluginSettings:
-    """The plugin's settings from verl's whole config (a DictConfig or a plain mapping)."""
+def read_settings(config: Any, verl_defaults: Mapping[str, Any] | None = None) -> PluginSettings:
+    """The plugin's settings from verl's whole config (a DictConfig or a plain mapping).
+
+    `verl_defaults`: verl's own `actor_rollout_ref.rollout.trace` values, which are verl's and
+    not the user's choice; by default read from the installed verl (`verl_trace_defaults`)."""
+    if verl_defaults is None:
+        verl_defaults = verl_trace_defaults()
     ours = _get(config, "trace_proxy", {}) or {}
     ours = {str(k): v for k, v in ours.items()}
     unknown = set(ours) - set(PROXY_OPTIONS) - PLUGIN_KEYS
@@ -117,8 +130,8 @@ def read_settings(config: Any) -> PluginSettings:
         values = list(value) if isinstance(value, (list, tuple)) or _is_sequence(value) else [value]
         args += [part for item in values for part in (flag, str(item))]
     tokenizer = ours.get("tokenizer") or _local_tokenizer(config)
-    token2text = ours.get("token2text", trace.get("token2text"))
-    if _flag(token2text) if token2text is not None else bool(tokenizer):
+    token2text = _chosen_token2text(ours, trace, verl_defaults)
+    if token2text if token2text is not None else bool(tokenizer):
         args.append("--token2text")
         if tokenizer:
             args += ["--tokenizer", str(tokenizer)]
@@ -151,6 +164,43 @@ def _is_sequence(value: Any) -> bool:
         and hasattr(value, "__iter__")
         and not hasattr(value, "items")
     )
+
+
+def _chosen_token2text(
+    ours: Mapping[str, Any], trace: Mapping[str, Any], verl_defaults: Mapping[str, Any]
+) -> bool | None:
+    """Whether the user turned decoding on or off; None when they did not say.
+
+    `trace_proxy.token2text` always says. verl's `trace.token2text` says only when it differs
+    from verl's own default: at the default it is what verl ships, not a choice."""
+    if ours.get("token2text") is not None:
+        return _flag(ours["token2text"])
+    value = trace.get("token2text")
+    if value is None:
+        return None
+    default = verl_defaults.get("token2text")
+    if default is not None and _flag(value) == _flag(default):
+        return None
+    return _flag(value)
+
+
+def verl_trace_defaults() -> dict[str, Any]:
+    """verl's `actor_rollout_ref.rollout.trace` block as the installed verl ships it (its
+    rollout.yaml, which every verl trainer config composes); empty without verl."""
+    try:
+        spec = importlib.util.find_spec("verl")
+    except (ImportError, ValueError):
+        return {}
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        path = Path(location).joinpath(*VERL_ROLLOUT_YAML)
+        try:
+            shipped = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except (OSError, yaml.YAMLError):
+            continue
+        trace = shipped.get("trace") if isinstance(shipped, dict) else None
+        if isinstance(trace, dict):
+            return {str(key): value for key, value in trace.items()}
+    return {}
 
 
 def _local_tokenizer(config: Any) -> str | None:

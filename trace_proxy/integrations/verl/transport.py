@@ -5,25 +5,26 @@ Mixed in right under the client class verl built (`LLMServerClient`, or
 load balancer still picks the server (`_acquire_server`, sticky per request id, least
 loaded) and is told when the call ends (`_release_server`). Only the hop changes: instead of
 a Ray call to the server actor, an HTTP request through the proxy to that server's own HTTP
-address. What verl gets back is what its server's `generate` returns (see mapping.py), with
-`global_steps` read from the server actor as its own path reads it, once per server and step
-(not with a second Ray call per generate). Inputs HTTP cannot carry, and calls made while the
-proxy cannot be reached, take verl's own path (counted, logged once).
+address. What verl gets back is what its server's `generate` returns (see mapping.py).
+
+`global_steps`, the policy version verl's server returns with every generate, is read from
+the server actor for each call as it is admitted (see `admission.py`): the version of the
+weights that generate the call, which verl's asynchronous trainers change only while the
+server's gate is closed. It goes back to verl and, as `X-Rollout-Weight-Version`, to the
+proxy, which records it as the call's `weight_version`. Inputs HTTP cannot carry, and calls
+made while the proxy cannot be reached, take verl's own path (counted, logged once).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from trace_proxy.integrations.verl.admission import admit
 from trace_proxy.integrations.verl.context import CURRENT_RUN
 from trace_proxy.integrations.verl.link import ProxyLink, ProxyUnreachable, ServerUnreachable
 from trace_proxy.integrations.verl.mapping import unsupported_sampling
 
 LINK_ATTRIBUTE = "_trace_proxy_link"
-
-
-def _read_global_steps(server: Any) -> Any:
-    return server.global_steps
 
 
 class TracedGenerate:
@@ -93,18 +94,6 @@ class TracedGenerate:
             **kwargs,
         )
 
-    async def _global_steps(self, server_id: str, server: Any, step: int) -> Any:
-        """The server's `global_steps`, as verl's own path returns it with every generate:
-        read from the server actor once per server and trainer step (it changes when the
-        trainer moves to the next step), not with a Ray call per generate."""
-        known: dict[str, tuple[int, Any]] = self.__dict__.setdefault("_trace_proxy_steps", {})
-        cached = known.get(server_id)
-        if cached is not None and cached[0] == step:
-            return cached[1]
-        value = await server.__ray_call__.remote(_read_global_steps)
-        known[server_id] = (step, value)
-        return value
-
     async def _through_proxy(
         self,
         request_id: str,
@@ -127,6 +116,11 @@ class TracedGenerate:
             if route is None or not link.usable(route):
                 link.fell_back("no_proxy_for_server" if route is None else "proxy_unreachable")
                 return None
+            admitted = await admit(server)
+            if admitted.rejected:  # as verl's server answers behind a rejecting gate
+                return TokenOutput(token_ids=[], log_probs=None, routed_experts=None,
+                                   stop_reason="aborted",
+                                   extra_fields=_versioned({}, admitted.version))  # fmt: skip
             priority = int(kwargs.get("priority", 0) or 0)
             if self.config.actor_rollout_ref.rollout.name != "vllm":  # type: ignore[attr-defined]
                 priority = 0
@@ -139,6 +133,7 @@ class TracedGenerate:
                     request_id=self._vllm_request_id(request_id),  # type: ignore[attr-defined]
                     priority=priority,
                     route=route,
+                    weight_version=admitted.version,
                 )
             except ProxyUnreachable as exc:
                 link.mark_down(exc, route)
@@ -148,10 +143,9 @@ class TracedGenerate:
                 return None
             run.generates += 1
             run.admin_urls.add(route.admin_url)
-            global_steps = await self._global_steps(server_id, server, run.tags.step)
         finally:
             self._release_server(server_id, request_id=request_id)  # type: ignore[attr-defined]
-        extra_fields: dict[str, Any] = {"global_steps": global_steps}
+        extra_fields: dict[str, Any] = {"global_steps": admitted.version}
         if link.limits.engine == "vllm":
             extra_fields["num_cached_tokens"] = result.num_cached_tokens
         if result.stop_reason == "aborted" and not result.token_ids:
@@ -165,9 +159,16 @@ class TracedGenerate:
                 stop_reason=result.stop_reason,
                 extra_fields=extra_fields,
             )
-        output.extra_fields.setdefault("min_global_steps", global_steps)
-        output.extra_fields.setdefault("max_global_steps", global_steps)
+        _versioned(output.extra_fields, admitted.version)
         return output
+
+
+def _versioned(extra_fields: dict[str, Any], version: Any) -> dict[str, Any]:
+    """verl's client's own bookkeeping: `global_steps`, and min and max of one attempt."""
+    extra_fields.setdefault("global_steps", version)
+    extra_fields.setdefault("min_global_steps", version)
+    extra_fields.setdefault("max_global_steps", version)
+    return extra_fields
 
 
 def install(client: Any, link: ProxyLink) -> Any:

@@ -2,8 +2,13 @@
 end (and reward) told to the proxy, and verl's in-process trace switched off.
 
 `_run_agent_loop` is where verl knows a run's step (`global_steps`), sample index, rollout
-index (v1: `session_id`, as its `trajectory["rollout_n"]` is always 0) and validate flag,
-and the only place that sees the run end. `_compute_score` sees the reward verl computed.
+index (v1: `session_id`, as its `trajectory["rollout_n"]` is always 0) and validate flag.
+`_compute_score` runs once the agent loop has returned, with the reward verl computed, and
+before the sample is handed over: v1's worker puts it into the TransferQueue right after
+(`_agent_loop_postprocess`), where the trainer may take it, end the step and the job, before
+`_run_agent_loop` returns. So the trajectory is closed (`done`, with the reward) there, and the
+proxy has it before the trainer does; `_run_agent_loop` closes it on its way out only when that
+never ran (an agent loop that raised or was cancelled).
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ class TracedWorkerMixin:
             rollout_n=int(rollout_n),
             validate=bool(trajectory["validate"]),
             trajectory_id=uuid.uuid4().hex,
+            sample_id=None if kwargs.get("uid") is None else str(kwargs["uid"]),
         )
         run = RunState(tags)
         token = CURRENT_RUN.set(run)
@@ -65,15 +71,21 @@ class TracedWorkerMixin:
             return await super()._run_agent_loop(sampling_params, trajectory, **kwargs)  # type: ignore[misc]
         finally:
             CURRENT_RUN.reset(token)
-            if run.generates:
-                await self._trace_proxy.end_trajectory(tags, run.reward, run.admin_urls)
+            await self._close(run)
 
     async def _compute_score(self, outputs: list[Any], kwargs: dict[str, Any]) -> None:
         await super()._compute_score(outputs, kwargs=kwargs)  # type: ignore[misc]
         run = CURRENT_RUN.get()
-        if run is not None and outputs:
-            score = outputs[-1].reward_score
+        if run is not None:
+            score = outputs[-1].reward_score if outputs else None
             run.reward = None if score is None else float(score)
+            await self._close(run)
+
+    async def _close(self, run: RunState) -> None:
+        """Done, with verl's reward, on every proxy the run's calls went through; once."""
+        if run.generates and not run.closed:
+            run.closed = True
+            await self._trace_proxy.end_trajectory(run.tags, run.reward, run.admin_urls)
 
 
 def traced_worker_class(base: type, project: str, experiment: str) -> type:

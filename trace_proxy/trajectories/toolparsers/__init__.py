@@ -3,8 +3,9 @@
 vLLM's `/inference/v1/generate`, `/v1/completions` with token ids and SGLang's `/generate` return
 only token ids. Once decoded (special tokens kept), the response holds the tool calls in the
 model's own markup, and the tokens that the next prompt adds after the response hold the tool
-results in the chat template's markup. The parsers read both, as pure functions over text, one
-module per format (each says which of vLLM's parsers and which chat templates it follows):
+results in the chat template's markup. The parsers read both, and the turns a prompt's text
+writes (its roles, from the template's markers), as pure functions over text, one module per
+format (each says which of vLLM's parsers and which chat templates it follows):
 
 - `hermes` (default): Qwen2.5 / Qwen3 / Hermes-2-Pro, JSON in `<tool_call>` blocks.
 - `qwen3_coder`: Qwen3-Coder, XML `<function=NAME><parameter=P>` in `<tool_call>` blocks.
@@ -19,6 +20,7 @@ from trace_proxy.trajectories.toolparsers.common import (
     ParsedResponse,
     ParsedToolCall,
     ToolCallParser,
+    Turn,
     UnparsedToolCall,
 )
 from trace_proxy.trajectories.toolparsers.gpt_oss import GptOssParser
@@ -34,6 +36,7 @@ __all__ = [
     "ParsedToolCall",
     "Qwen3CoderParser",
     "ToolCallParser",
+    "Turn",
     "UnparsedToolCall",
     "get_parser",
 ]

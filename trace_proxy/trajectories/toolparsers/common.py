@@ -1,5 +1,6 @@
 """What every tool-call parser shares: the parsed shapes, the parser protocol, strict JSON, and
-the scanning of the ChatML family's markup (`<think>`, `<tool_call>`, `<tool_response>`).
+the scanning of the ChatML family's markup (`<think>`, `<tool_call>`, `<tool_response>`) and of
+its turns (`<|im_start|>ROLE\n...<|im_end|>`).
 
 Calls that cannot be parsed are kept raw with the reason (`UnparsedToolCall`): a block whose
 closing marker never came (a length-limited generation), invalid JSON, a missing name.
@@ -8,6 +9,7 @@ closing marker never came (a length-limited generation), invalid JSON, a missing
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -39,6 +41,16 @@ class ParsedResponse:
     unparsed: list[UnparsedToolCall]
 
 
+@dataclass(frozen=True, slots=True)
+class Turn:
+    """One message as the chat template wrote it into a prompt; a tool result is a `tool` turn
+    (`name`: the tool, when the template writes it)."""
+
+    role: str
+    content: str
+    name: str | None = None
+
+
 class ToolCallParser(Protocol):
     """One model family's markup, read both ways: calls in a response, results in a prompt."""
 
@@ -52,6 +64,13 @@ class ToolCallParser(Protocol):
         """Tool results, in order, in the text a prompt adds after the previous response."""
         ...
 
+    def turns(self, text: str, after_answer: bool = False) -> list[Turn] | None:
+        """The messages a piece of prompt text writes, in order, up to the generation prompt
+        that ends it (if any); None when the text is not written in this family's chat
+        template. `after_answer`: the piece follows a response, so it may first close the
+        response's turn (the end-of-turn token a response cut short never wrote)."""
+        ...
+
 
 THINK_START = "<think>"
 THINK_END = "</think>"
@@ -60,6 +79,8 @@ TOOL_CALL_END = "</tool_call>"
 TOOL_RESPONSE_START = "<tool_response>"
 TOOL_RESPONSE_END = "</tool_response>"
 CHATML_END_MARKERS = ("<|im_end|>", "<|endoftext|>")
+CHATML_TURN = re.compile(r"<\|im_start\|>(\w+)\n(.*?)<\|im_end\|>\n?", re.DOTALL)
+CHATML_REPLY = "<|im_start|>assistant\n"  # the generation prompt
 
 
 def _reject_constant(name: str) -> Any:
@@ -219,3 +240,33 @@ class ChatMLParser(ABC):
 
     def tool_results(self, added_text: str) -> list[str]:
         return tagged_blocks(added_text, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+
+    def turns(self, text: str, after_answer: bool = False) -> list[Turn] | None:
+        return chatml_turns(text, after_answer)
+
+
+def chatml_turns(text: str, after_answer: bool = False) -> list[Turn] | None:
+    """`<|im_start|>ROLE\\n...<|im_end|>` turns, one after the other, then nothing or a
+    generation prompt (and what a client put after it). A user turn holding only
+    `<tool_response>` blocks is one tool turn per block, as the template writes `role: tool`."""
+    position = 0
+    if after_answer:  # what the response left of its turn's end: `<|im_end|>`, then `\n`
+        position = len(CHATML_END_MARKERS[0]) if text.startswith(CHATML_END_MARKERS[0]) else 0
+        position += text.startswith("\n", position)
+    found: list[Turn] = []
+    while (match := CHATML_TURN.match(text, position)) is not None:
+        role, body = match.group(1), match.group(2)
+        results = tagged_blocks(body, TOOL_RESPONSE_START, TOOL_RESPONSE_END)
+        if role == "user" and results and _only_tool_responses(body):
+            found += [Turn("tool", result) for result in results]
+        else:
+            found.append(Turn(role, body))
+        position = match.end()
+    rest = text[position:]
+    return found if not rest or rest.startswith(CHATML_REPLY) else None
+
+
+def _only_tool_responses(body: str) -> bool:
+    """Nothing but `<tool_response>` blocks and whitespace."""
+    pattern = re.escape(TOOL_RESPONSE_START) + ".*?" + re.escape(TOOL_RESPONSE_END)
+    return not re.sub(pattern, "", body, flags=re.DOTALL).strip()

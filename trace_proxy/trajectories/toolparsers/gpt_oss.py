@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from trace_proxy.trajectories.toolparsers.common import (
     ParsedResponse,
     ParsedToolCall,
+    Turn,
     UnparsedToolCall,
     dumps,
     loads,
@@ -187,3 +188,30 @@ class GptOssParser:
             if message.role not in _H_ROLES and message.role and message.body is not None:
                 results.append(message.body)
         return results
+
+    def turns(self, text: str, after_answer: bool = False) -> list[Turn] | None:
+        """Harmony messages as turns: a tool's message (`functions.NAME`) a tool turn, an
+        assistant's consecutive messages (analysis, calls, final) one assistant turn as
+        written; a last assistant message left open is the generation prompt."""
+        head, start, rest = text.partition(H_START)
+        if head.strip() and not (after_answer and head.strip() in _H_TERMINATORS):
+            return None
+        found: list[Turn] = []
+        messages = _harmony_messages(start + rest) if start else []
+        for k, message in enumerate(messages):
+            if message.body is None or message.terminator is None:
+                if k == len(messages) - 1 and message.role == "assistant":
+                    break  # the generation prompt
+                return None
+            if message.role == "assistant":
+                if found and found[-1].role == "assistant":
+                    found[-1] = Turn("assistant", found[-1].content + message.raw)
+                else:
+                    found.append(Turn("assistant", message.raw))
+            elif message.role in _H_ROLES:
+                found.append(Turn(message.role, message.body))
+            elif message.role:
+                found.append(Turn("tool", message.body, message.role.removeprefix("functions.")))
+            else:
+                return None
+        return found
