@@ -162,7 +162,7 @@ def main() -> int:
     from trace_proxy.integrations.verl.mapping import ServerLimits
     from trace_proxy.integrations.verl.transport import install
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     server = InstantServer.remote()
     address = ray.get(server.start.remote())
     config = OmegaConf.create({"actor_rollout_ref": {

@@ -1,5 +1,6 @@
 """Shared fixtures: the real Qwen tokenizer (loaded once), the fake inference servers, and the
-real servers of tests/real launched before the first test."""
+real servers of tests/real launched before the first test. The session's environment is cleared
+of the machine's settings first (isolation.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import isolation  # first: before any library reads the environment
 import pytest
 from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
@@ -14,6 +16,11 @@ from real.servers import RealServers, real_servers
 from real.verl_run import CLUSTER_RUN, VERL_RUN
 
 from trace_proxy.demo.tokenizer import load_qwen_tokenizer
+
+
+def pytest_report_header() -> str:
+    cleared = ", ".join(isolation.CLEARED) or "nothing"
+    return f"environment: cleared of the machine's settings ({cleared}); loopback never proxied"
 
 
 @pytest.fixture(scope="session")

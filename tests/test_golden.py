@@ -1,7 +1,10 @@
 """The golden test: a fixed workload through the proxy, its records and each backend's
 rendering of them compared field by field with a copy committed before the house was
 rearranged (tests/golden/*.json). Ids and times are normalised: ids to the order in which
-they first appear, times to their order within the record.
+they first appear, times to their order within the record; what the machine or its installed
+packages put in (a kernel release, a host name, a library's version) to `machine`, so the copies
+hold on any machine (`test_another_machine_renders_them_the_same` runs this module on a
+different one).
 
 `TRACE_PROXY_GOLDEN=write pytest tests/test_golden.py` writes the copies anew; a change to
 them is a change of behaviour, reviewed as one.
@@ -11,6 +14,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +34,14 @@ HEX_ID = re.compile(
 )
 ISO_TIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?(Z|[+-]\d\d:\d\d)?$")
 LOOPBACK = re.compile(r"127\.0\.0\.1:\d+")
+# Values the machine or its installed packages give, by key: what Weave's client adds to every
+# call (weave.utils.capture_info), the OpenTelemetry SDK's resource (its version; host.*, os.*,
+# process.* when resource detectors are on), and the test client's User-Agent header.
+MACHINE_KEYS = frozenset({
+    "client_version", "sys_version", "os_name", "os_version", "os_release",
+    "telemetry.sdk.version", "telemetry.auto.version", "service.version", "user-agent",
+})  # fmt: skip
+MACHINE_PREFIXES = ("host.", "os.", "process.")
 
 
 def stored(output: Path) -> list[dict[str, Any]]:
@@ -54,11 +67,15 @@ def is_derived_time(value: Any) -> bool:
     return isinstance(value, str) and ISO_TIME.match(value) is not None
 
 
+def is_from_the_machine(name: str) -> bool:
+    return name.lower() in MACHINE_KEYS or name.startswith(MACHINE_PREFIXES)
+
+
 class Normaliser:
     """Random ids become `id-N` by first appearance (so references between records are still
     compared), test servers' addresses `server-N`, the records' wall-clock times `t-N` by
     rank within their record (so their order is still compared), times derived from them `t`,
-    and durations `d`."""
+    durations `d`, and what the machine gives `machine`."""
 
     def __init__(self) -> None:
         self.ids: dict[str, str] = {}
@@ -80,6 +97,8 @@ class Normaliser:
             found.add(value)
 
     def _value(self, value: Any, ranks: dict[Any, str], name: str | None) -> Any:
+        if name is not None and is_from_the_machine(name):
+            return "machine"
         if isinstance(value, dict):
             return {k: self._value(v, ranks, k) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -165,3 +184,17 @@ async def test_each_backend_renders_them_as_before(golden_run: Any) -> None:
     for backend, items in renderings.items():
         normaliser = Normaliser()
         compare(f"backend-{backend}", [normaliser.record(item) for item in items])
+
+
+def test_another_machine_renders_them_the_same() -> None:
+    """This module's other tests, run where the kernel release and version, the host name, the
+    Python build and the reporting packages' versions all differ (golden/another_machine.py),
+    still find the golden copies: nothing compared comes from the machine."""
+    tests = Path(__file__).parent
+    env = {k: v for k, v in os.environ.items() if k != "TRACE_PROXY_GOLDEN"}  # compare, never write
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tests), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "pytest", __file__, "-p", "golden.another_machine",
+               "-k", "not another_machine", "-q", "-p", "no:cacheprovider"]  # fmt: skip
+    ran = subprocess.run(command, cwd=tests.parent, env=env, capture_output=True, text=True)
+    assert ran.returncode == 0, ran.stdout[-6000:] + ran.stderr[-2000:]
+    assert "2 passed" in ran.stdout, ran.stdout[-2000:]

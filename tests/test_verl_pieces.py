@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
+import socket
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,15 @@ LIMITS = ServerLimits("vllm", prompt_length=100, response_length=30, max_model_l
 SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
             "logprobs": True}  # fmt: skip
 TOKEN = "t0ken"
+
+
+@pytest.fixture
+def closed_url() -> Iterator[str]:
+    """An address nothing answers on, whatever runs on the machine: a port held by a socket
+    that never listens, so a connection is refused at once."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield f"http://127.0.0.1:{held.getsockname()[1]}"
 
 
 def test_default_max_tokens_is_verls() -> None:
@@ -211,8 +222,10 @@ async def test_generate_through_the_proxy_is_tagged_and_closed(
     assert by_n[1]["close_reason"] == "shutdown"  # never told done: closed when the proxy stops
 
 
-async def test_an_unreachable_proxy_is_reported_not_raised_as_a_server_error() -> None:
-    link = ProxyLink("http://127.0.0.1:9", "http://127.0.0.1:9", TOKEN, LIMITS)
+async def test_an_unreachable_proxy_is_reported_not_raised_as_a_server_error(
+    closed_url: str,
+) -> None:
+    link = ProxyLink(closed_url, closed_url, TOKEN, LIMITS)
     with pytest.raises(ProxyUnreachable):
         await link.generate("127.0.0.1:1", _tags("t"), [1, 2], dict(SAMPLING), request_id="r")
     await link.end_trajectory(_tags("t"), None)  # never raises: counted
@@ -335,7 +348,7 @@ def test_verls_defaults_are_read_from_the_verl_installed(
 
 
 async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed_around(
-    tmp_path: Path, qwen_tokenizer: Any, start_fake: Any
+    tmp_path: Path, qwen_tokenizer: Any, start_fake: Any, closed_url: str
 ) -> None:
     """Two proxies, one per "node"; the link sends each server's calls to its own, marks a
     proxy that stopped answering down (its calls then take verl's path) and closes each
@@ -360,7 +373,7 @@ async def test_each_server_goes_through_its_nodes_proxy_and_a_dead_one_is_routed
             await link.end_trajectory(_tags(f"t{n}", n), 1.0, [link.route(server).admin_url])
         await a.flush()
         await b.flush()
-        dead = Route("http://127.0.0.1:9", "http://127.0.0.1:9")
+        dead = Route(closed_url, closed_url)
         with pytest.raises(ProxyUnreachable):
             await link.generate(servers[0], _tags("t9"), prompt, dict(SAMPLING),
                                 request_id="r9", route=dead)  # fmt: skip

@@ -216,8 +216,10 @@ class RealServers:
         return _wait_healthy(self.launch(name))
 
     def stop_all(self) -> None:
+        """Stop every server; a test that needs one later launches it again."""
         for launched in self._launched.values():
             _stop(launched)
+        self._launched.clear()
 
 
 def servers_used(items: list[pytest.Item]) -> list[str]:

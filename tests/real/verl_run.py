@@ -7,13 +7,24 @@ change what vLLM batches together, so verl's tests run last (`order_items`) and 
 with the first test after the last one that uses the real vLLM server (the root conftest): it
 overlaps the unit tests, which use fakes, instead of adding to the session. verl's module
 fixture waits for it, or starts it when nothing did (verl's tests alone).
+
+Each run starts a Ray cluster of its own and touches no other: Ray joins a cluster it finds
+through `RAY_ADDRESS` or through the address file in its temp directory
+(`/tmp/ray/ray_current_cluster`, which `ray start` and `ray.cluster_utils.Cluster` write), points
+that directory's `session_latest` at its newest session, and reads (or creates) a token in
+`~/.ray/auth_token`. So a run has `RAY_ADDRESS` unset, a temp directory of its own
+(`RAY_TMPDIR`, from which Ray derives every default path, in the run and the Ray processes it
+starts), a token of its own in its environment, and starts Ray with `address="local"`.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import IO
@@ -29,6 +40,7 @@ VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
 # (so that its traffic to the vLLM server never overlaps the runs they compare)
 FULLY_ASYNC_TESTS = REAL_TESTS_DIR / "test_verl_fully_async.py"
 CLUSTER_TESTS = REAL_TESTS_DIR / "test_verl_cluster.py"
+HOSTILE_TESTS = REAL_TESTS_DIR / "test_hostile_environment.py"
 RUN_TIMEOUT_S = 1500.0
 STOP_GRACE_S = 10.0
 
@@ -59,20 +71,23 @@ class VerlRun:
         self._log: IO[bytes] | None = None
         self._started_at = 0.0
         self._failed: str | None = None  # why it could not be started
+        self._ray_dir: str | None = None  # the run's Ray temp directory
 
     @property
     def started(self) -> bool:
         return self._process is not None or self._failed is not None
 
     def order_items(self, items: list[pytest.Item]) -> None:
-        """verl's tests last; the run to start with the first test after the last other one
+        """verl's tests last, and after them the hostile environment's (whose session runs a
+        verl run of its own); the run to start with the first test after the last other one
         that uses the real vLLM server (None: no test comes between, verl's fixture starts it)."""
         verl = [item for item in items if is_verl_test(item)]
         fully_async = [item for item in items if is_fully_async_test(item)]
         cluster = [item for item in items if is_cluster_test(item)]
-        items[:] = [i for i in items if not is_verl_test(i) and not is_cluster_test(i)
-                    and not is_fully_async_test(i)]  # fmt: skip
-        items += verl + fully_async + cluster
+        hostile = [item for item in items if item.path.resolve() == HOSTILE_TESTS]
+        at_the_end = verl + fully_async + cluster + hostile
+        items[:] = [item for item in items if item not in at_the_end]
+        items += at_the_end
         if not any(item.get_closest_marker("skip") is None for item in verl):
             return
         last = max((i for i, item in enumerate(items) if uses_real_vllm(item)), default=-1)
@@ -93,8 +108,12 @@ class VerlRun:
 
     def _launch(self, arguments: list[str], work: Path, python: Path, nice: int = 0) -> None:
         self.work = work
-        env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REAL_TESTS_DIR}",
-               "HF_HUB_OFFLINE": "1", "RAY_DEDUP_LOGS": "0"}  # fmt: skip
+        # Short: the paths of Ray's sockets under it must fit in 107 bytes.
+        self._ray_dir = tempfile.mkdtemp(prefix="ray-")
+        env = {name: value for name, value in os.environ.items() if name != "RAY_ADDRESS"}
+        env.update({"PYTHONPATH": f"{REPO}{os.pathsep}{REAL_TESTS_DIR}", "HF_HUB_OFFLINE": "1",
+                    "RAY_DEDUP_LOGS": "0", "RAY_TMPDIR": self._ray_dir, "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": secrets.token_hex(32)})  # fmt: skip
         self._log = (work / "run.log").open("wb")
         self._started_at = time.monotonic()
         self._process = subprocess.Popen(
@@ -140,6 +159,9 @@ class VerlRun:
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._ray_dir is not None:
+            shutil.rmtree(self._ray_dir, ignore_errors=True)
+            self._ray_dir = None
 
 
 class ClusterRun(VerlRun):

@@ -318,7 +318,7 @@ def main() -> int:
     default = ["verl", "plugin", "v1-verl", "v1-plugin", "async-verl", "async-plugin"]
     modes = sys.argv[4].split(",") if len(sys.argv) > 4 else default
     paths = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": paths})
+    ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": paths})
     from verl.experimental.reward_loop import RewardLoopManager
 
     config = compose_config(model_dir, work, False)
