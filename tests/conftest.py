@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
 from real.servers import RealServers, real_servers
-from real.verl_run import CLUSTER_RUN, VERL_RUN
+from real.verl_run import CLUSTER_RUN, FULLY_ASYNC_RUN, VERL_RUN, is_fully_async_test
 
 from trace_proxy.demo.tokenizer import load_qwen_tokenizer
 
@@ -83,7 +83,18 @@ def _real_servers(
             yield servers
         finally:
             VERL_RUN.stop()
+            FULLY_ASYNC_RUN.stop()
             CLUSTER_RUN.stop()
+
+
+_FULLY_ASYNC_SELECTED = pytest.StashKey[bool]()
+
+
+def _fully_async_selected(request: pytest.FixtureRequest) -> bool:
+    stash = request.session.stash
+    if _FULLY_ASYNC_SELECTED not in stash:
+        stash[_FULLY_ASYNC_SELECTED] = any(map(is_fully_async_test, request.session.items))
+    return stash[_FULLY_ASYNC_SELECTED]
 
 
 @pytest.fixture(autouse=True)
@@ -93,7 +104,14 @@ def _verl_in_the_background(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     """verl's run starts with the first test after the last other one that uses the real vLLM
-    server (real/verl_run.py), and goes on beside the tests that follow."""
+    server (real/verl_run.py), and goes on beside the tests that follow; the fully async run
+    starts with the first test after verl's run has exited."""
+    if VERL_RUN.exited and not FULLY_ASYNC_RUN.started and _fully_async_selected(request):
+        try:
+            vllm = _real_servers.wait_healthy("real_vllm")
+            FULLY_ASYNC_RUN.start(vllm, tmp_path_factory.mktemp("verl-fully-async"))
+        except (Exception, pytest.fail.Exception, pytest.skip.Exception) as exc:
+            FULLY_ASYNC_RUN.could_not_start(repr(exc))
     if request.node is not VERL_RUN.start_with or VERL_RUN.started:
         return
     try:

@@ -4,8 +4,10 @@ Face hub, an HTTP proxy that loopback is not exempt from, and trace-proxy's own 
 kind passes all the same: the suite never reads the machine's settings (isolation.py) and never
 joins a service it did not start.
 
-It runs last (verl_run.py), after the session's own verl run, and stops the session's real
-servers first: its own session starts its own, and a machine may not hold two of each.
+It runs last (verl_run.py), after the session's own verl runs, and stops the session's real
+servers first: its own session starts its own, and a machine may not hold two of each. verl's
+kind is its config composed and resolved in verl's venv, not a whole verl run again: every verl
+run of every session already starts its Ray away from the machine's (verl_run.py).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ ONE_OF_EACH_KIND = [
     "tests/test_export_weave.py::test_chat_tool_rollout_is_one_call_tree",
     "tests/real/test_real_through_proxy.py::test_vllm_passthrough_and_record[chat-plain]",
     "tests/real/test_framework_clients.py::test_a_framework_client_through_the_proxy[openai]",
-    "tests/real/test_verl_plugin.py::test_batches_equal_verls_own",
+    "tests/real/test_verl_settings.py::test_verls_composed_config_decodes_unless_the_user_said_no",
 ]  # fmt: skip
 HOSTILE = {
     "RAY_ADDRESS": "127.0.0.1:1",

@@ -20,8 +20,7 @@ from typing import Any
 import pytest
 
 from .conftest import RealServer
-from .provision import provision
-from .verl_run import VerlRun
+from .verl_run import FULLY_ASYNC_RUN
 
 PROMPTS = 6
 N = 2
@@ -30,15 +29,11 @@ KEPT_PER_STEP = 2  # +trace_proxy.max_samples_per_step=2
 
 @pytest.fixture(scope="module")
 def fully_async_run(real_vllm: RealServer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    work = tmp_path_factory.mktemp("verl-fully-async")
-    run = VerlRun()
-    provisioned = provision()
-    run._launch(["verl_harness.fully_async", real_vllm.base_url, str(real_vllm.model_dir),
-                 str(work)], work, provisioned.verl_python)  # fmt: skip
-    try:
-        return run.wait()
-    finally:
-        run.stop()
+    """The run's work directory: started by the session once verl's run has exited
+    (verl_run.py), or here when nothing started it."""
+    if not FULLY_ASYNC_RUN.started:
+        FULLY_ASYNC_RUN.start(real_vllm, tmp_path_factory.mktemp("verl-fully-async"))
+    return FULLY_ASYNC_RUN.wait()
 
 
 def _records(work: Path) -> list[dict[str, Any]]:

@@ -78,8 +78,8 @@ class VerlRun:
         return self._process is not None or self._failed is not None
 
     def order_items(self, items: list[pytest.Item]) -> None:
-        """verl's tests last, and after them the hostile environment's (whose session runs a
-        verl run of its own); the run to start with the first test after the last other one
+        """verl's tests last, and after them the hostile environment's (whose session starts
+        real servers of its own); the run to start with the first test after the last other one
         that uses the real vLLM server (None: no test comes between, verl's fixture starts it)."""
         verl = [item for item in items if is_verl_test(item)]
         fully_async = [item for item in items if is_fully_async_test(item)]
@@ -120,6 +120,13 @@ class VerlRun:
             [str(python), "-m", *arguments], stdout=self._log, stderr=subprocess.STDOUT,
             env=env, start_new_session=True, preexec_fn=(lambda: os.nice(nice)) if nice else None,
         )  # fmt: skip
+
+    @property
+    def exited(self) -> bool:
+        """Started, and no longer running (whatever its exit code: its tests judge it)."""
+        return self._failed is not None or (
+            self._process is not None and self._process.poll() is not None
+        )
 
     def could_not_start(self, why: str) -> None:
         self._failed = why
@@ -184,5 +191,18 @@ def is_cluster_test(item: pytest.Item) -> bool:
     return item.path.resolve() == CLUSTER_TESTS
 
 
+class FullyAsyncRun(VerlRun):
+    """The fully async run (`verl_harness/fully_async.py`): it sends to the real vLLM server
+    too, so it starts once verl's run has exited (its comparisons never share the server), in
+    the background beside the tests still running, or in its tests' fixture when nothing
+    started it."""
+
+    def start(self, vllm: RealServer, work: Path) -> None:
+        provisioned = provision()
+        self._launch(["verl_harness.fully_async", vllm.base_url, str(vllm.model_dir),
+                      str(work)], work, provisioned.verl_python)  # fmt: skip
+
+
 VERL_RUN = VerlRun()
 CLUSTER_RUN = ClusterRun()
+FULLY_ASYNC_RUN = FullyAsyncRun()
