@@ -16,7 +16,7 @@ import pytest
 from proxy_helpers import children
 from test_lifecycle import chat, start_serve, stored, until, until_gone, until_ready
 
-from trace_proxy.store.leftovers import spool_records_after
+from trace_proxy.exporters.leftovers import spool_records_after
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -27,7 +27,8 @@ def test_pyproject_declares_the_verl_plugin_entry_point() -> None:
 
 
 def test_loading_the_entry_point_imports_neither_verl_nor_the_plugin() -> None:
-    """Loaded as verl loads it (`EntryPoint.load`): only the hook module and its packages."""
+    """Loaded as verl loads it (`EntryPoint.load`): only the hook module, its packages and the
+    standard-library module it shares with the manager (`standin.py`)."""
     code = (
         "import json, sys\n"
         "from importlib.metadata import EntryPoint\n"
@@ -44,6 +45,7 @@ def test_loading_the_entry_point_imports_neither_verl_nor_the_plugin() -> None:
         "trace_proxy.integrations",
         "trace_proxy.integrations.verl",
         ENTRY_POINT,
+        "trace_proxy.integrations.verl.standin",
     ]
     assert finders[0] == "_RollouterFinder"  # the hook, first, for verl's rollouter only
     assert result.stderr == ""

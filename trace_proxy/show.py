@@ -20,9 +20,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from trace_proxy.exporters.leftovers import leftovers, notice
 from trace_proxy.logtext import printable
 from trace_proxy.store.annotations import apply_annotations
-from trace_proxy.store.leftovers import leftovers, notice
 from trace_proxy.store.readers import iter_records, run_records, runs
 from trace_proxy.store.replicas import merged_summary, one_per_trajectory, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts

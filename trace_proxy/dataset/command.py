@@ -97,8 +97,8 @@ def run_export_command(args: dict[str, Any]) -> int:
         return _error(f"export needs {' and '.join(missing)}: pip install 'trace-proxy[dataset]'")
     from trace_proxy.dataset.build import write_dataset
     from trace_proxy.dataset.reading import Selection, SelectionError, StepRange
+    from trace_proxy.exporters.leftovers import leftovers, notice
     from trace_proxy.logtext import printable
-    from trace_proxy.store.leftovers import leftovers, notice
     from trace_proxy.trajectories.token2text import TokenizerError, load_tokenizer
     from trace_proxy.trajectories.toolparsers import get_parser
 

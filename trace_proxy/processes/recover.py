@@ -1,7 +1,7 @@
 """`trace-proxy recover`: what a killed proxy left in its spool, written to its store.
 
 A proxy killed with all its processes at once (nothing could finish) leaves in its spool the
-records its jsonl backend had not written (store/leftovers.py). This writes them, to the store
+records its jsonl backend had not written (exporters/leftovers.py). This writes them, to the store
 beside each spool (replicas included), from that backend's cursor on, so no record is written
 twice, decoded as `serve` would with the same token2text options. It takes the spool's locks as
 a proxy does: a spool a running proxy holds is refused, the helpers a killed one left are
@@ -18,11 +18,11 @@ from typing import TextIO
 
 from trace_proxy.config import Settings
 from trace_proxy.exporters.backends.jsonl import JsonlExporter
+from trace_proxy.exporters.leftovers import SPOOL, STORE_BACKEND
 from trace_proxy.exporters.spool import SpoolBusy, SpoolWriter, acquire, cursors
 from trace_proxy.metrics import ExportMetrics
 from trace_proxy.processes.export import create_runner
 from trace_proxy.processes.lifeline import leftover_wait
-from trace_proxy.store.leftovers import SPOOL, STORE_BACKEND
 from trace_proxy.store.replicas import store_roots
 
 CLOSE_TIMEOUT = 60.0  # for the store's files to be closed once everything is written

@@ -26,9 +26,9 @@ import orjson
 from aiohttp import web
 
 from trace_proxy.config import Settings
+from trace_proxy.exporters.leftovers import leftovers, notice
 from trace_proxy.logtext import printable
 from trace_proxy.proxy.limits import ClientLimits, LimitedAppRunner, Rejections
-from trace_proxy.store.leftovers import leftovers, notice
 from trace_proxy.store.replicas import joined
 from trace_proxy.trajectories.prompts import transcript_of
 from trace_proxy.ui import history, search, views

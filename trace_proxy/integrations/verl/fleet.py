@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trace_proxy.exporters.leftovers import SPOOL, idle
 from trace_proxy.integrations.verl.launcher import (
     STOP_TIMEOUT_S,
     LaunchedProxy,
@@ -40,7 +41,6 @@ from trace_proxy.integrations.verl.launcher import (
     register_servers,
 )
 from trace_proxy.integrations.verl.link import Route
-from trace_proxy.store.leftovers import SPOOL, idle
 
 log = logging.getLogger(__name__)
 REPLICAS = "replicas"  # <output>/replicas/<name>: one directory per proxy

@@ -22,11 +22,12 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
+from trace_proxy.integrations.verl.standin import VERL_CLASS
+
 log = logging.getLogger(__name__)
 ROLLOUTER_MODULE = "verl.experimental.fully_async_policy.fully_async_rollouter"
 MANAGER_NAME = "FullyAsyncAgentLoopManager"
 PLUGIN_CLASS = "trace_proxy.integrations.verl.AgentLoopManager"
-VERL_CLASS = "_trace_proxy_verl_class"  # on the stand-in: verl's own class under it
 
 
 def names_plugin(config: Any) -> bool:
@@ -36,12 +37,6 @@ def names_plugin(config: Any) -> bool:
         return str(agent.get("agent_loop_manager_class") or "") == PLUGIN_CLASS
     except Exception:  # not verl's config: not ours to trace
         return False
-
-
-def verl_class(cls: type) -> type:
-    """verl's own `FullyAsyncAgentLoopManager` behind the stand-in (or `cls` itself)."""
-    found: type = cls.__dict__.get(VERL_CLASS, cls)
-    return found
 
 
 def wrap(module: ModuleType) -> None:

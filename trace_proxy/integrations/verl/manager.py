@@ -203,7 +203,7 @@ def fully_async_manager_class(
     from verl.experimental.fully_async_policy import fully_async_rollouter
     from verl.utils.ray_utils import auto_await
 
-    from trace_proxy.integrations.verl.fully_async import verl_class
+    from trace_proxy.integrations.verl.standin import verl_class
 
     base: Any = verl_class(fully_async_rollouter.FullyAsyncAgentLoopManager)
     worker = ray.remote(traced_worker_class(AgentLoopWorker, settings.project,
