@@ -144,3 +144,23 @@ def test_every_backend_name_has_a_factory_and_every_factory_a_name() -> None:
     from trace_proxy.exporters import BACKENDS
 
     assert sorted(BACKEND_NAMES) == sorted(BACKENDS)
+
+
+def test_each_command_of_the_table_is_the_subcommand_it_runs() -> None:
+    from trace_proxy.cli import COMMANDS, build_parser
+
+    subparsers = next(action for action in build_parser()._actions if action.dest == "command")
+    assert list(subparsers.choices) == list(COMMANDS)  # type: ignore[arg-type]
+
+
+def test_the_command_line_imports_nothing_heavy() -> None:
+    """`--help` and a typo answer at once: each command imports its work only when it runs."""
+    heavy = ("aiohttp", "prometheus_client", "transformers", "tokenizers", "mlflow", "pyarrow",
+             "openai", "opentelemetry", "trackio", "weave", "uvloop")  # fmt: skip
+    code = (
+        "import sys, trace_proxy.cli; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]"
