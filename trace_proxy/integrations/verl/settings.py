@@ -160,8 +160,9 @@ def read_settings(config: Any, verl_defaults: Mapping[str, Any] | None = None) -
         if value is None:
             continue
         values = list(value) if isinstance(value, (list, tuple)) or _is_sequence(value) else [value]
-        given = [str(item) for item in values]
-        proxy_options[name] = given if OPTIONS_BY_NAME[name].multiple else given[-1]
+        given = [str(item) for item in values]  # a list: as the flag repeated, a value each
+        if given:
+            proxy_options[name] = given if OPTIONS_BY_NAME[name].multiple else given[-1]
     tokenizer = ours.get("tokenizer") or _local_tokenizer(config)
     token2text = _chosen_token2text(ours, trace, verl_defaults)
     if token2text if token2text is not None else bool(tokenizer):
