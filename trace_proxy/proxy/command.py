@@ -57,8 +57,7 @@ async def _serve(settings: Settings) -> int:
     try:
         service = ProxyService(settings)
     except ConfigError as exc:
-        print(f"trace-proxy: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return usage_error(str(exc))
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     if settings.lifeline_fd is not None:
