@@ -57,7 +57,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-# Declared in options.py, read from here too.
+# Names declared in options.py that are read from here too (re-exported: mypy sees them only
+# through `__all__`); everything defined below is this module's own as well.
 __all__ = ["ENV_PREFIX", "ConfigError", "Option", "parse_size", "parse_upstream"]
 
 

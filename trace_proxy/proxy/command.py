@@ -1,4 +1,4 @@
-"""`trace-proxy serve`: its options (all declared in config.py), the settings checked, and a
+"""`trace-proxy serve`: its options (all from the option table), the settings checked, and a
 running proxy's life on the command line: the line it starts with, SIGTERM/SIGINT and
 `--lifeline-fd` to stop, the line it ends with. The proxy itself is imported only to run."""
 
