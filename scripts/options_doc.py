@@ -106,17 +106,17 @@ def render() -> str:
     return PREAMBLE + "\n".join(rows) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, doc: Path = DOC) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only say whether it is current")
     args = parser.parse_args(argv)
     text = render()
     if args.check:
-        current = DOC.is_file() and DOC.read_text(encoding="utf-8") == text
+        current = doc.is_file() and doc.read_text(encoding="utf-8") == text
         if not current:
-            print(f"{DOC.name} is not current: run python scripts/options_doc.py", file=sys.stderr)
+            print(f"{doc.name} is not current: run python scripts/options_doc.py", file=sys.stderr)
         return 0 if current else 1
-    DOC.write_text(text, encoding="utf-8")
+    doc.write_text(text, encoding="utf-8")
     return 0
 
 

@@ -7,29 +7,25 @@ the script writes now, or when what it writes could not be typed back.
 
 from __future__ import annotations
 
-import importlib.util
 import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import SimpleNamespace
 
-import pytest
-
+import trace_proxy
 from trace_proxy.config import OPTIONS, resolve
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(trace_proxy.__file__).resolve().parent.parent  # the checkout the tests run against
 SCRIPT = ROOT / "scripts" / "options_doc.py"
 DOC = ROOT / "docs" / "options.md"
 ROW = re.compile(r"^\| `(--[a-z0-9-]+)[^|]*\| `(TRACE_PROXY_\w+)`<br>`(\w+)` \| ([^|]+) \|", re.M)
 
 
-def options_doc() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("options_doc", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def options_doc() -> SimpleNamespace:
+    """The script's functions, as `python scripts/options_doc.py` would run them."""
+    return SimpleNamespace(**runpy.run_path(str(SCRIPT), run_name="options_doc"))
 
 
 def test_the_committed_options_page_is_what_the_script_writes() -> None:
@@ -59,16 +55,12 @@ def test_every_default_shown_is_a_value_the_option_takes_back() -> None:
         assert getattr(resolve("serve", {}, environ), name) == opt.default, flag
 
 
-def test_check_mode_tells_a_stale_page_from_a_current_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    module = options_doc()
-    page = tmp_path / "options.md"
-    monkeypatch.setattr(module, "DOC", page)
-    page.write_text(module.render().replace("`8100`", "`8000`"), encoding="utf-8")
-    assert module.main(["--check"]) == 1
-    assert module.main([]) == 0
-    assert module.main(["--check"]) == 0
+def test_check_mode_tells_a_stale_page_from_a_current_one(tmp_path: Path) -> None:
+    script, page = options_doc(), tmp_path / "options.md"
+    page.write_text(script.render().replace("`8100`", "`8000`"), encoding="utf-8")
+    assert script.main(["--check"], doc=page) == 1
+    assert script.main([], doc=page) == 0
+    assert script.main(["--check"], doc=page) == 0
 
 
 def test_the_script_runs_as_documented() -> None:
