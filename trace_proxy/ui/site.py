@@ -17,6 +17,8 @@ from trace_proxy.ui.index import Entry, Run, StoreIndex
 from trace_proxy.ui.textindex import TextIndex
 from trace_proxy.ui.urls import ids_query, run_url, step_name, trajectory_url
 
+RUN = "/run/{store:\\d+}/{project}/{experiment}"  # where a run's pages are
+
 
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
@@ -80,9 +82,6 @@ class Site:
         if entry is None:
             raise web.HTTPNotFound(text="no such trajectory in this run\n")
         return run, entry
-
-
-RUN = "/run/{store:\\d+}/{project}/{experiment}"  # where a run's pages are
 
 
 def page_arg(value: str | None) -> int:
