@@ -41,6 +41,7 @@ from trace_proxy.exporters.backends.otlp import (
     OtlpExportError,
     parse_headers,
 )
+from trace_proxy.exporters.base import Exporter
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.prompts import share_prefixes
@@ -76,7 +77,7 @@ TOKEN_KEY = {"X-Rollout-Experiment": "grpo", "X-Rollout-Step": "1", "X-Rollout-S
 TOOL_RESULT = '{"temp_c": 18}'
 
 
-class Keep:
+class Keep(Exporter):
     """A backend that keeps the records it is given, to export them again in other tests."""
 
     name = "keep"

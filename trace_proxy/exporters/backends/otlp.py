@@ -87,7 +87,7 @@ from trace_proxy.exporters.backends.spans import (
     ns,
     trajectory_spans,
 )
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Exporter, ExportRejected
 from trace_proxy.trajectories.record import Record, StepEvent, Trajectory, dumps
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class OtlpExportError(RuntimeError):
     """The receiver did not accept a request (the pipeline retries the batch)."""
 
 
-class OtlpExporter:
+class OtlpExporter(Exporter):
     name = "otlp"
     request_budget = REQUEST_BUDGET
 

@@ -82,7 +82,7 @@ from trace_proxy.exporters.backends.spans import (
     trajectory_spans,
     utc,
 )
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Exporter, ExportRejected
 from trace_proxy.store.names import store_name
 from trace_proxy.trajectories.conversation import token_messages
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
@@ -98,7 +98,7 @@ REMEMBERED = 4096  # ids of runs made here (to reopen them), and projects tracki
 Where = tuple[str, str]  # (trackio project, run name)
 
 
-class TrackioExporter:
+class TrackioExporter(Exporter):
     name = "trackio"
 
     def __init__(

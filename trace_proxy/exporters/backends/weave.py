@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from trace_proxy.exporters.backends import spans
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Exporter, ExportRejected
 from trace_proxy.trajectories.record import KEY_FIELDS, Record, Trajectory, dumps
 
 if TYPE_CHECKING:
@@ -154,7 +154,7 @@ class _CallCollector(RemoteHTTPTraceServer):
         return complete
 
 
-class WeaveExporter:
+class WeaveExporter(Exporter):
     name = "weave"
     request_budget = REQUEST_BUDGET
 
