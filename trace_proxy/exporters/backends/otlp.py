@@ -66,7 +66,6 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from trace_proxy import __version__
 from trace_proxy.exporters.backends.otlp_conventions import (
-    AGENT_NAME,
     RL_VERSION,
     Attributes,
     CallView,
@@ -83,6 +82,7 @@ from trace_proxy.exporters.backends.otlp_conventions import (
     span_attributes_of_tool,
 )
 from trace_proxy.exporters.backends.spans import (
+    ROOT_NAME,
     error_text,
     ns,
     trajectory_spans,
@@ -220,7 +220,7 @@ class OtlpExporter(Exporter):
 
         attributes = root_attributes(view, conversation, calls)
         root = self._tracer.start_span(
-            f"invoke_agent {AGENT_NAME}",
+            f"invoke_agent {ROOT_NAME}",
             context=Context(),
             kind=SpanKind.INTERNAL,
             attributes=attributes,

@@ -73,6 +73,7 @@ from typing import Any
 import orjson
 
 from trace_proxy.exporters.backends.spans import (
+    ROOT_NAME,
     Generation,
     Tool,
     TrajectorySpans,
@@ -89,15 +90,8 @@ from trace_proxy.trajectories.toolparsers import DEFAULT_PARSER, ToolCallParser,
 
 log = logging.getLogger(__name__)
 
-TRACE_KEY = "rollout_trace/agent_loop"
+TRACE_KEY = f"rollout_trace/{ROOT_NAME}"  # verl's key: `rollout_trace/` and the op's name
 ANNOTATION_KEY = "rollout_trace/annotation"
-ROOT_NAME = "agent_loop"
-OPERATIONS = {
-    "openai.chat": "chat",
-    "openai.completions": "text_completion",
-    "vllm.generate": "generate",
-    "sglang.generate": "generate",
-}
 JSON = dict[str, Any]
 MAX_OPEN_RUNS = 16  # runs open at once, each with a writer thread of its own
 REMEMBERED = 4096  # ids of runs made here (to reopen them), and projects trackio refuses
@@ -419,7 +413,7 @@ def _generation_span(root_id: str, call: Generation, lag: int | None) -> JSON:
     rendered = [_generation_output(o) for o in call.outputs]
     return {
         "id": f"{root_id}/{call.id}",
-        "name": f"{OPERATIONS.get(dialect, 'generate')} {call.model or ''}".strip(),
+        "name": f"{call.declared.operations.trackio} {call.model or ''}".strip(),
         "kind": "generation",
         "parent_id": root_id,
         **_timed(call.start, call.end),
