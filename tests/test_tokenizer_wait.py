@@ -31,8 +31,8 @@ from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.processes import recorder as recorder_module
 from trace_proxy.proxy.service import ProxyService
+from trace_proxy.text.token2text import TokenizerError
 from trace_proxy.trajectories.prompts import expand_prompts
-from trace_proxy.trajectories.token2text import TokenizerError
 
 GUARD = 60.0  # seconds: a failure bound, not a synchronisation
 FIRST = "Question: what is the capital of France? Answer briefly."

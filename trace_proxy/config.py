@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
+from trace_proxy.text.toolparsers import get_parser
 from trace_proxy.trajectories.keys import parse_mapping
-from trace_proxy.trajectories.toolparsers import get_parser
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -58,6 +58,7 @@ from trace_proxy.metrics import Metrics, RelayedMetrics
 from trace_proxy.processes.helper import Helper, Started, receive_payload, run_helper
 from trace_proxy.processes.lifeline import Lifeline
 from trace_proxy.processes.recorder import Recorder
+from trace_proxy.text.token2text import TokenizerError
 from trace_proxy.trajectories.keys import KeyHints, parse_mapping
 from trace_proxy.trajectories.ledger import Custody, Unsettled
 from trace_proxy.trajectories.rewards import RewardError
@@ -67,7 +68,6 @@ from trace_proxy.trajectories.sampler import (
     parse_decision,
     sampler_of,
 )
-from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
 

@@ -56,9 +56,9 @@ from trace_proxy.processes.helper import (
     run_helper,
 )
 from trace_proxy.processes.lifeline import Lifeline, leftover_wait
-from trace_proxy.trajectories.discovery import discover_tokenizers
-from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
-from trace_proxy.trajectories.toolparsers import get_parser
+from trace_proxy.text.discovery import discover_tokenizers
+from trace_proxy.text.token2text import Token2Text, TokenizerError, load_configured
+from trace_proxy.text.toolparsers import get_parser
 
 log = logging.getLogger(__name__)
 

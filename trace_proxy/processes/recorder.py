@@ -31,16 +31,16 @@ from trace_proxy.metrics import ExportMetrics, Metrics, children
 from trace_proxy.processes.export import ExportProcess
 from trace_proxy.processes.helper import proxy_pid
 from trace_proxy.processes.lifeline import leftover_wait
+from trace_proxy.text.discovery import discover_tokenizers
+from trace_proxy.text.token2text import Token2Text, TokenizerError, load_configured
+from trace_proxy.text.toolparsers import get_parser
 from trace_proxy.trajectories.assembler import Assembler
-from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
 from trace_proxy.trajectories.keys import parse_mapping
 from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.rewards import Outcome, parse_outcome
 from trace_proxy.trajectories.sampler import StepDecision, sampler_of
-from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
-from trace_proxy.trajectories.toolparsers import get_parser
 
 
 class Recorder:

@@ -44,10 +44,10 @@ from trace_proxy.proxy.upstreams import (
     Upstream,
     UpstreamPool,
 )
+from trace_proxy.text.token2text import check_configured
 from trace_proxy.trajectories.keys import parse_mapping
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
 from trace_proxy.trajectories.sampler import DecisionError, parse_decision
-from trace_proxy.trajectories.token2text import check_configured
 
 log = logging.getLogger(__name__)
 _Parsed = TypeVar("_Parsed")
