@@ -31,6 +31,7 @@ from trace_proxy.metrics import ExportMetrics, Metrics, children
 from trace_proxy.processes.export import ExportProcess
 from trace_proxy.processes.helper import proxy_pid
 from trace_proxy.processes.lifeline import leftover_wait
+from trace_proxy.store.names import store_name_notes
 from trace_proxy.text.discovery import discover_tokenizers
 from trace_proxy.text.token2text import Token2Text, TokenizerError, load_configured
 from trace_proxy.text.toolparsers import get_parser
@@ -87,6 +88,7 @@ class Recorder:
             on_close=lambda reason: closed(reason).inc(),
             inference=self.inference,
             gate=self.gate,
+            key_notes=store_name_notes,
         )
         self._annotating: dict[asyncio.Future[None], Outcome] = {}  # rewards waiting to be placed
         self.capture = CaptureStage(
