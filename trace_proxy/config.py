@@ -487,6 +487,17 @@ class Settings:
         metavar="LEVEL", commands=("serve", "demo"))
     # fmt: on
 
+    @property
+    def spool_path(self) -> Path:
+        """Where the spool is: --spool-dir, else beside the store (OUTPUT/.spool)."""
+        return self.spool_dir or self.output / ".spool"
+
+    @property
+    def uses_tokenizers(self) -> bool:
+        """Whether tokenizers are loaded at all: to decode (--token2text), or named for
+        telling rollouts apart (--tokenizer)."""
+        return self.token2text or bool(self.tokenizer)
+
 
 OPTIONS: tuple[Option, ...] = tuple(
     replace(f.metadata["option"], name=f.name) for f in fields(Settings)
