@@ -155,7 +155,7 @@ def index_dir_problem(index_dir: str | None, stores: Sequence[str]) -> str | Non
 
 def token_pieces(source: str) -> views.Piece:
     """Each token id's text, from a tokenizer (a local directory: nothing is downloaded)."""
-    from trace_proxy.trajectories.token2text import decoder_for, load_tokenizer
+    from trace_proxy.text.token2text import decoder_for, load_tokenizer
 
     decode = decoder_for(load_tokenizer(source), skip_special_tokens=False)
     return lambda token: decode([token])
@@ -168,7 +168,7 @@ def run_ui(
     tokenizer: str | None = None,
     index_dir: str | None = None,
 ) -> int:
-    from trace_proxy.trajectories.token2text import TokenizerError
+    from trace_proxy.text.token2text import TokenizerError
 
     missing = [s for s in stores if not Path(s).is_dir()]
     if missing:
