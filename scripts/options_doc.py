@@ -23,8 +23,9 @@ PREAMBLE = """\
 # Options
 
 <!-- Written by scripts/options_doc.py from trace_proxy/config.py's option table: change an
-option's help there (or this page's text in the script), then run
-`python scripts/options_doc.py`. tests/test_options_doc.py fails when this page is not current. -->
+option's help where it is declared (config.py; the backends' in exporters/options.py), or this
+page's text in the script, then run `python scripts/options_doc.py`.
+tests/test_options_doc.py fails when this page is not current. -->
 
 Every option of `trace-proxy serve` is a flag, an environment variable `TRACE_PROXY_<OPTION>`, or
 a key of a YAML or TOML file given with `--config FILE` (or `TRACE_PROXY_CONFIG`), in that

@@ -140,7 +140,39 @@ def test_an_option_value_may_begin_with_a_dash() -> None:
 
 
 def test_every_backend_name_has_a_factory_and_every_factory_a_name() -> None:
-    from trace_proxy.config import BACKEND_NAMES
     from trace_proxy.exporters import BACKENDS
+    from trace_proxy.exporters.options import BACKEND_NAMES
 
     assert sorted(BACKEND_NAMES) == sorted(BACKENDS)
+
+
+def test_each_command_of_the_table_is_the_subcommand_it_runs() -> None:
+    from trace_proxy.cli import COMMANDS, build_parser
+
+    subparsers = next(action for action in build_parser()._actions if action.dest == "command")
+    assert list(subparsers.choices) == list(COMMANDS)  # type: ignore[arg-type]
+
+
+def test_the_command_line_imports_nothing_heavy() -> None:
+    """`--help` and a typo answer at once: each command imports its work only when it runs."""
+    heavy = ("aiohttp", "prometheus_client", "transformers", "tokenizers", "mlflow", "pyarrow",
+             "openai", "opentelemetry", "trackio", "weave", "uvloop")  # fmt: skip
+    code = (
+        "import sys, trace_proxy.cli; "
+        f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({heavy!r})))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == "[]"
+
+
+def test_the_backends_declare_their_options_without_reading_config() -> None:
+    """exporters/ stands below config: config places the backends' options in its table."""
+    from trace_proxy.config import OPTIONS_BY_NAME
+    from trace_proxy.exporters import options as backends
+
+    assert OPTIONS_BY_NAME["otlp_endpoint"].help == backends.OTLP_ENDPOINT.help
+    code = "import sys, trace_proxy.exporters; print('trace_proxy.config' in sys.modules)"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert done.stdout.strip() == "False"

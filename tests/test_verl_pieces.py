@@ -157,6 +157,44 @@ def test_bad_plugin_settings_are_clear_errors() -> None:
         read_settings(_config(backend="wandb"))
 
 
+@pytest.mark.parametrize(
+    "ours",
+    [
+        {"sample_seed": -3, "validate_max_samples_per_step": 1, "tool_parser": "qwen3_coder",
+         "args": ["--backend", "otlp", "--sample-seed", "7", "--otlp-header", "a=b,c"]},
+        {"backend": [], "sample_seed": [1, 2], "log_level": "debug", "args": "--token2text"},
+    ],
+)  # fmt: skip
+def test_the_plugins_view_of_its_proxies_settings_is_what_their_command_line_resolves_to(
+    ours: dict[str, Any],
+) -> None:
+    """The plugin chooses each step's samples with its proxies' sampling options: resolved from
+    the values their command line is written from (flags from the option table), with
+    `trace_proxy.args` on top as a proxy takes them (repeated options add up, a later wins)."""
+    from trace_proxy.cli import build_parser
+    from trace_proxy.config import resolve, values_may_start_with_dash
+
+    config = _config(backend="mlflow", max_samples_per_step_per_worker=2)
+    config["trace_proxy"] = ours
+    settings = read_settings(config, {})
+    argv = values_may_start_with_dash(["serve", *settings.proxy_args])
+    parsed = vars(build_parser().parse_args(argv))
+    parsed.pop("command")
+    assert settings.proxy_settings() == resolve("serve", parsed)
+
+
+def test_trace_proxy_args_come_after_the_plugins_options() -> None:
+    config = _config(backend="mlflow", max_samples_per_step_per_worker=2)
+    config["trace_proxy"] = {
+        "sample_seed": -3, "validate_max_samples_per_step": 1, "tool_parser": "qwen3_coder",
+        "args": ["--backend", "otlp", "--sample-seed", "7", "--otlp-header", "a=b,c"],
+    }  # fmt: skip
+    proxy = read_settings(config, {}).proxy_settings()
+    assert (proxy.sample_seed, proxy.max_samples_per_step, proxy.validate_max_samples_per_step,
+            proxy.tool_parser) == (7, 8, 1, "qwen3_coder")  # fmt: skip
+    assert (proxy.backend, proxy.otlp_header) == (["jsonl", "mlflow", "otlp"], ["a=b,c"])
+
+
 def _tags(trajectory_id: str, n: int = 0) -> TrajectoryTags:
     return TrajectoryTags(project="proj", experiment="exp", step=4, sample_index=2, rollout_n=n,
                           validate=False, trajectory_id=trajectory_id,

@@ -15,6 +15,7 @@ an escape sequence in a project name is shown as `\x1b[...`, never acted on by t
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -27,7 +28,37 @@ from trace_proxy.store.readers import iter_records, run_records, runs
 from trace_proxy.store.replicas import merged_summary, one_per_trajectory, store_roots
 from trace_proxy.trajectories.prompts import expand_prompts
 
-__all__ = ["iter_records", "show"]  # a store's records one by one, and the command
+# a store's records one by one, and the command (its options, and run from them)
+__all__ = ["add_show_command", "iter_records", "run_show_command", "show"]
+
+
+def add_show_command(commands: Any) -> None:
+    """Register `trace-proxy show DIRECTORY ... [--step N] [--experiment NAME] ...`."""
+    parser = commands.add_parser("show", help="print stored trajectories readably")
+    parser.add_argument(
+        "directory",
+        nargs="+",
+        help="the --output directory of serve or demo; "
+        "several (one per replica) are read as one store",
+    )
+    parser.add_argument("--step", type=int, help="only this step")
+    parser.add_argument("--experiment", help="only this experiment")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many trajectories")
+    parser.add_argument("--width", type=int, default=100, help="characters of text per call line")
+
+
+def run_show_command(args: dict[str, Any]) -> int:
+    try:
+        return show(
+            args["directory"],
+            step=args["step"],
+            experiment=args["experiment"],
+            limit=args["limit"],
+            width=args["width"],
+        )
+    except BrokenPipeError:  # `trace-proxy show DIR | head` is fine
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 def show(

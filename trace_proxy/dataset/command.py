@@ -11,7 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-EXIT_USAGE = 2
+from trace_proxy.commandline import usage_error
+
 NEEDED = ("pyarrow", "tqdm")
 
 
@@ -94,7 +95,9 @@ def add_export_command(commands: Any) -> None:
 def run_export_command(args: dict[str, Any]) -> int:
     missing = [name for name in NEEDED if not _importable(name)]
     if missing:
-        return _error(f"export needs {' and '.join(missing)}: pip install 'trace-proxy[dataset]'")
+        return usage_error(
+            f"export needs {' and '.join(missing)}: pip install 'trace-proxy[dataset]'"
+        )
     from trace_proxy.dataset.build import write_dataset
     from trace_proxy.dataset.reading import Selection, SelectionError, StepRange
     from trace_proxy.exporters.leftovers import leftovers, notice
@@ -103,11 +106,11 @@ def run_export_command(args: dict[str, Any]) -> int:
     from trace_proxy.text.toolparsers import get_parser
 
     if args["rows_per_file"] < 1:
-        return _error("--rows-per-file must be at least 1")
+        return usage_error("--rows-per-file must be at least 1")
     try:
         parser = get_parser(args["tool_parser"])
     except ValueError as exc:
-        return _error(f"--tool-parser: {exc}")
+        return usage_error(f"--tool-parser: {exc}")
     try:
         selection = Selection(
             steps=None if args["step"] is None else StepRange.parse(args["step"]),
@@ -132,9 +135,9 @@ def run_export_command(args: dict[str, Any]) -> int:
             rows_per_file=args["rows_per_file"],
         )
     except TokenizerError as exc:
-        return _error(f"invalid value for --tokenizer: {printable(str(exc))}")
+        return usage_error(f"invalid value for --tokenizer: {printable(str(exc))}")
     except SelectionError as exc:
-        return _error(printable(str(exc)))
+        return usage_error(printable(str(exc)))
     except KeyboardInterrupt:
         print(
             "trace-proxy: export interrupted; the files written so far are complete",
@@ -158,8 +161,3 @@ def _importable(name: str) -> bool:
     except ImportError:
         return False
     return True
-
-
-def _error(message: str) -> int:
-    print(f"trace-proxy: error: {message}", file=sys.stderr)
-    return EXIT_USAGE

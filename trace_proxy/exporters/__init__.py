@@ -1,26 +1,45 @@
-"""Backends that closed trajectories are exported to. Adding one = a module, a line here and
-its name in `config.BACKEND_NAMES`.
+"""Backends that closed trajectories are exported to. Adding one = a module, a line here, and
+its name and options in `options.py`.
 
 Each backend takes a small config of its own (what it needs of the options), built here from
-`Settings`: this is where options and exporters meet, so no backend module imports config."""
+the resolved settings (`BackendSettings`: config's `Settings` is one): this is where options
+and exporters meet, so nothing in exporters/ imports config."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
 
-from trace_proxy.config import ConfigError, Settings
 from trace_proxy.exporters.base import Exporter
+from trace_proxy.options import ConfigError
 
-ExporterFactory = Callable[[Settings], Exporter]
+
+class BackendSettings(Protocol):
+    """What the backend table reads of the resolved settings."""
+
+    backend: list[str]
+    output: Path
+    project: str
+    tool_parser: str
+    otlp_endpoint: str
+    otlp_header: list[str]
+    mlflow_tracking_uri: str | None
+    mlflow_run: str | None
+    trackio_dir: Path | None
+    weave_entity: str | None
 
 
-def _jsonl(settings: Settings) -> Exporter:
+ExporterFactory = Callable[[BackendSettings], Exporter]
+
+
+def _jsonl(settings: BackendSettings) -> Exporter:
     from trace_proxy.exporters.backends.jsonl import JsonlExporter
 
     return JsonlExporter(settings.output)
 
 
-def _trackio(settings: Settings) -> Exporter:
+def _trackio(settings: BackendSettings) -> Exporter:
     from trace_proxy.exporters.backends.trackio import TrackioConfig, create
 
     return create(
@@ -32,13 +51,13 @@ def _trackio(settings: Settings) -> Exporter:
     )
 
 
-def _otlp(settings: Settings) -> Exporter:
+def _otlp(settings: BackendSettings) -> Exporter:
     from trace_proxy.exporters.backends.otlp import OtlpConfig, create
 
     return create(OtlpConfig(endpoint=settings.otlp_endpoint, headers=tuple(settings.otlp_header)))
 
 
-def _mlflow(settings: Settings) -> Exporter:
+def _mlflow(settings: BackendSettings) -> Exporter:
     from trace_proxy.exporters.backends.mlflow import MlflowConfig, create
 
     return create(
@@ -51,7 +70,7 @@ def _mlflow(settings: Settings) -> Exporter:
     )
 
 
-def _weave(settings: Settings) -> Exporter:
+def _weave(settings: BackendSettings) -> Exporter:
     from trace_proxy.exporters.backends.weave import WeaveConfig, create
 
     return create(WeaveConfig(entity=settings.weave_entity, project=settings.project))
@@ -66,7 +85,7 @@ BACKENDS: dict[str, ExporterFactory] = {
 }
 
 
-def create_exporters(settings: Settings) -> list[Exporter]:
+def create_exporters(settings: BackendSettings) -> list[Exporter]:
     """One exporter per named backend; a backend that cannot start is a ConfigError."""
     exporters = []
     for name in dict.fromkeys(settings.backend):

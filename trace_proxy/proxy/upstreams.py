@@ -15,7 +15,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from trace_proxy.config import plain_url
+from trace_proxy.options import plain_url
 
 UPSTREAM_HEADER = "X-Trace-Proxy-Upstream"
 MAX_REGISTERED = 4096

@@ -13,7 +13,8 @@ from urllib.parse import quote
 
 import orjson
 
-from trace_proxy.logtext import printable
+from trace_proxy.commandline import LOG_FORMAT
+from trace_proxy.logtext import configure_logging, printable
 from trace_proxy.store.replicas import REPLICAS, store_roots
 
 HEADER = re.compile(r"([!#$%&'*+.^_`|~0-9A-Za-z-]+):[ \t]*([^\r\n]*)")
@@ -95,6 +96,7 @@ def add_replay_command(commands: Any) -> None:
 def run_replay_command(args: dict[str, Any]) -> int:
     """Check the options, replay, print the summary. Exit code 2 for what the user must fix,
     1 when a call failed (or records could not be written), else 0."""
+    configure_logging(LOG_FORMAT, "WARNING")
     from trace_proxy.config import ConfigError
     from trace_proxy.replay.selection import ReplayError, select
     from trace_proxy.replay.session import ReplayPlan, replay

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from trace_proxy.commandline import LOG_FORMAT
+from trace_proxy.logtext import configure_logging
+
 DEFAULT_PORT = 8300
 
 
@@ -42,6 +45,7 @@ def add_ui_command(commands: Any) -> None:
 
 
 def run_ui_command(args: dict[str, Any]) -> int:
+    configure_logging(LOG_FORMAT)
     from trace_proxy.ui.server import run_ui
 
     stores: list[str] = args["stores"]

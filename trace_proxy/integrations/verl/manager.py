@@ -123,13 +123,7 @@ def _connect(
 
 def _decider(settings: PluginSettings, link: ProxyLink) -> StepDecider:
     """Who chooses each step's samples, with the sampling options the proxies were given."""
-    from trace_proxy.cli import build_parser
-    from trace_proxy.config import resolve, values_may_start_with_dash
-
-    argv = values_may_start_with_dash(["serve", *settings.proxy_args])
-    parsed = vars(build_parser().parse_args(argv))
-    parsed.pop("command", None)
-    proxy = resolve("serve", parsed)
+    proxy = settings.proxy_settings()
     chooser = StepChooser(proxy.sample_seed, settings.experiment, proxy.max_samples_per_step,
                           proxy.validate_max_samples_per_step)  # fmt: skip
     admin_urls = sorted({r.admin_url for r in link.routes.values()} | (

@@ -10,6 +10,10 @@ local directory, unless the user said otherwise: `trace_proxy.token2text`, or ve
 `trace.token2text` at a value other than verl's own default (verl ships `false`, and its
 composed config keeps no record of who set a value, so verl's `false` cannot say "off").
 Reads a mapping and verl's shipped rollout.yaml; imports no verl.
+
+A key that sets a proxy option is named as the option (`PROXY_OPTIONS`); the proxies' command
+line takes its flags from the option table, and the plugin's own view of their settings
+(`PluginSettings.proxy_settings`, for the step's sampling) is resolved from the same values.
 """
 
 from __future__ import annotations
@@ -23,22 +27,22 @@ from typing import Any
 
 import yaml
 
+from trace_proxy.commandline import UsageParser
+from trace_proxy.config import (
+    OPTIONS_BY_NAME,
+    Settings,
+    add_options,
+    resolve,
+    values_may_start_with_dash,
+)
+
 TOKEN_ENV = "TRACE_PROXY_ADMIN_TOKEN"
-# Keys of `trace_proxy.*` with the proxy option each sets, for a proxy the plugin starts.
-PROXY_OPTIONS = {
-    "backend": "--backend",
-    "max_samples_per_step": "--max-samples-per-step",
-    "sample_rate": "--sample-rate",
-    "validate_max_samples_per_step": "--validate-max-samples-per-step",
-    "validate_sample_rate": "--validate-sample-rate",
-    "sample_seed": "--sample-seed",
-    "mlflow_tracking_uri": "--mlflow-tracking-uri",
-    "trackio_dir": "--trackio-dir",
-    "weave_entity": "--weave-entity",
-    "otlp_endpoint": "--otlp-endpoint",
-    "tool_parser": "--tool-parser",
-    "log_level": "--log-level",
-}
+# The `trace_proxy.*` keys that set an option of each proxy the plugin starts: the option's name.
+PROXY_OPTIONS = (
+    "backend", "max_samples_per_step", "sample_rate", "validate_max_samples_per_step",
+    "validate_sample_rate", "sample_seed", "mlflow_tracking_uri", "trackio_dir",
+    "weave_entity", "otlp_endpoint", "tool_parser", "log_level",
+)  # fmt: skip
 PLUGIN_KEYS = frozenset(
     {"url", "admin_url", "manager", "token2text", "tokenizer", "start_timeout", "args",
      "output", "host"}
@@ -63,9 +67,37 @@ class PluginSettings:
     admin_token: str | None = None
     manager: str = "auto"  # auto (verl's trainer.use_v1) | v1 | legacy
     start_timeout: float = 120.0
-    proxy_args: list[str] = field(default_factory=list)  # all but --output and --host
+    # The options of each proxy the plugin starts, but --output and --host, as its command
+    # line gives them: a str, a list of str (a repeatable option) or True (a switch)...
+    proxy_options: dict[str, Any] = field(default_factory=dict)
+    extra_args: list[str] = field(default_factory=list)  # ...then `trace_proxy.args`, as given
     output: str = "traces"  # each node's proxy writes <output>/replicas/<node>
     host: str | None = None  # where the proxies listen; None: where verl's servers do
+
+    @property
+    def proxy_args(self) -> list[str]:
+        """The command line of each proxy the plugin starts, but --output and --host."""
+        args: list[str] = []
+        for name, value in self.proxy_options.items():
+            flag = OPTIONS_BY_NAME[name].flag
+            if value is True:
+                args.append(flag)
+                continue
+            args += [part for item in _listed(value) for part in (flag, item)]
+        return args + self.extra_args
+
+    def proxy_settings(self) -> Settings:
+        """The settings each proxy the plugin starts resolves (`trace_proxy.args`, its
+        environment and a config file taken as the proxy takes them)."""
+        given = dict(self.proxy_options)
+        if self.extra_args:
+            parser = UsageParser(prog="trace-proxy serve")
+            add_options(parser, "serve")
+            parsed = vars(parser.parse_args(values_may_start_with_dash(self.extra_args)))
+            for name, value in parsed.items():  # a repeatable option adds up, as on a command line
+                earlier = given.get(name)
+                given[name] = earlier + value if isinstance(earlier, list) else value
+        return resolve("serve", given)
 
 
 def _get(config: Any, dotted: str, default: Any = None) -> Any:
@@ -109,7 +141,6 @@ def read_settings(config: Any, verl_defaults: Mapping[str, Any] | None = None) -
     manager = str(ours.get("manager", "auto"))
     if manager not in ("auto", "v1", "legacy"):
         raise PluginConfigError(f"trace_proxy.manager must be auto, v1 or legacy, not {manager!r}")
-    args: list[str] = []
     options = dict(ours)
     verl_backend = trace.get("backend")
     if "backend" not in options and verl_backend:
@@ -123,20 +154,22 @@ def read_settings(config: Any, verl_defaults: Mapping[str, Any] | None = None) -
     if "max_samples_per_step" not in options and per_worker is not None:
         workers = int(_get(config, "actor_rollout_ref.rollout.agent.num_workers", 1) or 1)
         options["max_samples_per_step"] = int(per_worker) * workers
-    for key, flag in PROXY_OPTIONS.items():
-        value = options.get(key)
+    proxy_options: dict[str, Any] = {}
+    for name in PROXY_OPTIONS:
+        value = options.get(name)
         if value is None:
             continue
         values = list(value) if isinstance(value, (list, tuple)) or _is_sequence(value) else [value]
-        args += [part for item in values for part in (flag, str(item))]
+        given = [str(item) for item in values]  # a list: as the flag repeated, a value each
+        if given:
+            proxy_options[name] = given if OPTIONS_BY_NAME[name].multiple else given[-1]
     tokenizer = ours.get("tokenizer") or _local_tokenizer(config)
     token2text = _chosen_token2text(ours, trace, verl_defaults)
     if token2text if token2text is not None else bool(tokenizer):
-        args.append("--token2text")
+        proxy_options["token2text"] = True
         if tokenizer:
-            args += ["--tokenizer", str(tokenizer)]
+            proxy_options["tokenizer"] = [str(tokenizer)]
     extra = ours.get("args") or []
-    args += [str(item) for item in (extra if _is_sequence(extra) else [extra])]
     url = ours.get("url")
     admin_url = ours.get("admin_url")
     if url and not admin_url:
@@ -152,10 +185,15 @@ def read_settings(config: Any, verl_defaults: Mapping[str, Any] | None = None) -
         admin_token=os.environ.get(TOKEN_ENV) if url else None,
         manager=manager,
         start_timeout=float(ours.get("start_timeout", 120.0)),
-        proxy_args=args,
+        proxy_options=proxy_options,
+        extra_args=[str(item) for item in (extra if _is_sequence(extra) else [extra])],
         output=str(ours.get("output") or "traces"),
         host=str(ours["host"]) if ours.get("host") else None,
     )
+
+
+def _listed(value: str | list[str]) -> list[str]:
+    return value if isinstance(value, list) else [value]
 
 
 def _is_sequence(value: Any) -> bool:
