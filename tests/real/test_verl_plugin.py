@@ -13,10 +13,15 @@ plugin manager uses the first one's proxy by URL, as with a sidecar.
 v1's asynchronous trainers (`colocate_async`, `separate_async`) are run as well: their manager
 and `FullyAsyncLLMServerClient` across two weight syncs that abort generations in flight and
 resume them on the new version (`verl_harness/partial.py`), with verl's own staleness and
-partial-rollout metrics computed on both runs. The one stand-in is verl's GPU server actor
-(`verl_harness/server.py`), which asks the real vLLM CPU server token-in/token-out and pauses
-and resumes it at a sync as verl's server does. The same batches are generated twice, by verl's own
-manager and through the plugin (which starts its own trace-proxy), and compared.
+partial-rollout metrics computed on both runs. So is verl's one-step-off-policy trainer
+(`verl_harness/offpolicy.py`): its own methods build the manager from the same key (the legacy
+manager, the plain client) and run three steps, each batch generated while the trainer holds
+the last, one sync forced while the next batch's generations wait at the server's gate.
+The one stand-in is verl's GPU server actor (`verl_harness/server.py`; for one-step-off also
+what the trainer's GPU server manager and checkpoint engine do to it), which asks the real vLLM
+CPU server token-in/token-out and pauses and resumes it at a sync as verl's server does. The
+same batches are generated twice, by verl's own manager and through the plugin (which starts
+its own trace-proxy), and compared.
 """
 
 from __future__ import annotations
@@ -192,3 +197,56 @@ def test_each_resumed_call_is_stored_once_with_its_attempts_and_versions(verl_ru
             str(traced["min_global_steps"][row]), str(traced["max_global_steps"][row]))  # fmt: skip
         assert record["partial_rollout"] is (batch != "C")
         assert key["sources"]["sample_id"] == "header:X-Rollout-Sample-Id"
+
+
+# One-step-off-policy (verl_harness/offpolicy.py): batch A (tagged step 1) on version 0, B
+# (step 1: started before the trainer's step ends) on 1, C (step 2) sent while the sync to 2
+# held the server's gate closed, on 2.
+OFFPOLICY_EXPERIMENT = "cpu-one-step-off"
+OFFPOLICY_BATCHES = {"A": (1, 0), "B": (1, 1), "C": (2, 2)}  # step tag, version
+
+
+def test_one_step_off_policy_gives_verl_its_own_batches_and_metrics(verl_run: Path) -> None:
+    """Each batch generated on the version synced before it started (not the version of its
+    step's first batch, nor the one before the sync its calls waited behind): with the plugin,
+    verl gets the same tokens, masks, log probs, rewards and versions of each sample, and so
+    logs the same numbers of each batch (`compute_data_metrics`)."""
+    own = json.loads((verl_run / "offpolicy-offpolicy-verl.json").read_text())
+    traced = json.loads((verl_run / "offpolicy-offpolicy-plugin.json").read_text())
+    fields = ("batches", "prompts", "responses", "response_mask", "attention_mask",
+              "rollout_log_probs", "rm_scores", "num_turns", "min_global_steps",
+              "max_global_steps", "global_steps", "metrics")  # fmt: skip
+    for field in fields:
+        assert traced[field] == own[field], field
+    # The schedule ran as planned on verl's own path: each batch on its sync's version.
+    spans = {(b, lo, hi) for b, lo, hi in zip(own["batches"], own["min_global_steps"],
+                                              own["max_global_steps"], strict=True)}  # fmt: skip
+    assert spans == {(b, v, v) for b, (_, v) in OFFPOLICY_BATCHES.items()}
+    assert own["server_calls"] > 0  # verl's own path reached its server actor
+    assert traced["server_calls"] == 0  # every generate of the plugin went through the proxy
+
+
+def test_one_step_off_policy_stores_each_call_with_its_servers_version(verl_run: Path) -> None:
+    """One call per rollout, with the version the server had when it was admitted; the
+    trajectory carries verl's step tag and sample id, and is not a partial rollout."""
+    traced = json.loads((verl_run / "offpolicy-offpolicy-plugin.json").read_text())
+    rows: dict[tuple[str, int], int] = {}
+    for row, uid in enumerate(traced["uids"]):  # n consecutive rows per sample
+        rows[(uid, sum(1 for u in traced["uids"][:row] if u == uid))] = row
+    records = _records_of(verl_run, OFFPOLICY_EXPERIMENT)
+    assert len(records) == len(rows)
+    for record in records:
+        key = record["key"]
+        row = rows[(key["sample_id"], key["rollout_n"])]
+        step, version = OFFPOLICY_BATCHES[traced["batches"][row]]
+        assert key["step"] == step
+        [call] = record["calls"]
+        assert not call["segments"]  # one attempt: no sync stopped it
+        assert call["weight_version"] == str(version)
+        assert (record["weight_version_min"], record["weight_version_max"]) == (
+            str(version), str(version))  # fmt: skip
+        assert record["partial_rollout"] is False
+        assert record["close_reason"] == "done"
+        generated = call["outputs"][0]["token_ids"]
+        length = sum(traced["response_mask"][row])
+        assert generated == traced["responses"][row][:length] and len(generated) == length

@@ -137,7 +137,15 @@ def generating(vllm: VllmMetrics, rollouts: int) -> None:
 def sync(server: Any, version: int) -> None:
     """`CheckpointEngineManager.update_weights` and `resume_generation_replicas` as the server
     sees them: abort everything (gate closed), set the version, resume (gate open)."""
+    close_gate(server)
+    open_gate(server, version)
+
+
+def close_gate(server: Any) -> None:
     ray.get(server.abort_all_requests.remote())
+
+
+def open_gate(server: Any, version: int) -> None:
     ray.get(server.set_global_steps.remote(version))
     ray.get(server.resume_generation.remote())
 

@@ -17,9 +17,11 @@ writes WORK_DIR/batches-<mode>.json for modes `verl` and `v1-verl` (verl's legac
 managers) and `plugin` and `v1-plugin` (the same through the plugin: the first starts its
 trace-proxy, the second uses that one by URL, as a sidecar), `async-verl` and `async-plugin`
 (v1's asynchronous trainers' manager and `FullyAsyncLLMServerClient` across weight syncs that
-abort generations in flight: partial.py, writing WORK_DIR/partial-<mode>.json), and the proxy
-writes its store to WORK_DIR/traces (experiments `cpu-agent-loop`, `cpu-agent-loop-v1` and
-`cpu-partial-rollout`).
+abort generations in flight: partial.py, writing WORK_DIR/partial-<mode>.json),
+`offpolicy-verl` and `offpolicy-plugin` (the one-step-off-policy trainer's rollout across its
+weight syncs: offpolicy.py, writing WORK_DIR/offpolicy-<mode>.json), and the proxy writes its
+store to WORK_DIR/traces (experiments `cpu-agent-loop`, `cpu-agent-loop-v1`,
+`cpu-partial-rollout` and `cpu-one-step-off`). Each phase's seconds go to the run's log.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,9 +54,12 @@ def compose_config(
     v1: bool = False,
     sidecar: Any = None,
     extra: Sequence[str] = (),
+    one_step_off: bool = False,
 ) -> Any:
     """verl's config as its `main_ppo` composes it from `ppo_trainer.yaml` and command-line
-    overrides; with the plugin, only the overrides its documentation names (and `extra`)."""
+    overrides (`one_step_off`: as the one-step-off-policy trainer's main composes it, from its
+    `one_step_off_ppo_trainer.yaml`, which builds on `ppo_trainer.yaml`); with the plugin,
+    only the overrides its documentation names (and `extra`)."""
     import verl.trainer.config as verl_config
 
     tool_config = work / "tools.yaml"
@@ -97,8 +103,15 @@ def compose_config(
     replaced = {item.split("=", 1)[0] for item in extra}
     overrides = [o for o in overrides if o.split("=", 1)[0] not in replaced] + list(extra)
     config_dir = os.path.dirname(verl_config.__file__)
+    config_name = "ppo_trainer"
+    if one_step_off:  # its yaml finds ppo_trainer.yaml relative to verl's source tree
+        import verl.experimental.one_step_off_policy as one_step_off_policy
+
+        overrides.append(f"hydra.searchpath=[file://{config_dir}]")
+        config_dir = os.path.join(os.path.dirname(one_step_off_policy.__file__), "config")
+        config_name = "one_step_off_ppo_trainer"
     with initialize_config_dir(config_dir=config_dir, version_base=None):
-        config = compose(config_name="ppo_trainer", overrides=overrides)
+        config = compose(config_name=config_name, overrides=overrides)
     return config
 
 
@@ -163,8 +176,6 @@ def v1_batch(step: int, validate: bool) -> tuple[Any, list[str]]:
 def v1_results(uids: list[str], validate: bool) -> dict[str, Any]:
     """Wait for every prompt's sessions to finish, as verl's replay buffer does, then read
     each session's output from TransferQueue (sample-major, session order)."""
-    import time
-
     import transfer_queue as tq
 
     partition = "val" if validate else "train"
@@ -248,15 +259,23 @@ class Serving:
 
 
 def build(mode: str, serving: Serving, model_dir: str, work: Path, reward_workers: Any,
-          sidecar: Any = None) -> Built:  # fmt: skip
+          sidecar: Any = None, legacy: Any = None) -> Built:  # fmt: skip
     """One manager as verl's trainer builds it. `sidecar`: a running proxy (the one the first
     plugin manager started) that this one uses by URL instead of starting its own. `async-`
-    modes: v1's asynchronous trainers' manager and client (partial.py)."""
+    modes: v1's asynchronous trainers' manager and client (partial.py); `offpolicy-` modes:
+    the one-step-off-policy trainer, its manager built by its own method (offpolicy.py;
+    `legacy`: the `verl` mode's manager, what that method builds without the plugin)."""
     from verl.utils.import_utils import load_class_from_fqn
     from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient, LLMServerClient
-    from verl_harness import partial
+    from verl_harness import offpolicy, partial
 
     plugin = mode.endswith("plugin")
+    if mode.startswith("offpolicy"):
+        config = compose_config(model_dir, work, plugin, True, sidecar, offpolicy.overrides(),
+                                one_step_off=True)  # fmt: skip
+        trainer = offpolicy.trainer(config, serving.server, serving.balancer, reward_workers,
+                                    None if plugin else legacy)  # fmt: skip
+        return Built(mode, trainer, serving.server, config)
     asynchronous = mode.startswith("async")
     v1 = mode.startswith("v1") or asynchronous
     extra = partial.overrides() if asynchronous else ()
@@ -286,8 +305,14 @@ def _server_calls(server: Any) -> int:
 
 def run(built: Built, work: Path, vllm_url: str) -> None:
     """Two training steps and a validation pass, as the trainer hands them to the manager;
-    `async-` modes: the schedule of weight syncs in partial.py."""
+    `async-` modes: the schedule of weight syncs in partial.py; `offpolicy-` modes: the
+    one-step-off-policy trainer's steps (offpolicy.py)."""
     manager, server, v1 = built.manager, built.server, built.mode.startswith("v1")
+    if built.mode.startswith("offpolicy"):
+        from verl_harness import offpolicy
+
+        offpolicy.run(manager, server, work, built.mode)
+        return
     if built.mode.startswith("async"):
         from verl_harness import partial
 
@@ -314,8 +339,10 @@ def run(built: Built, work: Path, vllm_url: str) -> None:
 
 
 def main() -> int:
+    began = time.monotonic()  # each phase's seconds go to the run's log
     vllm_url, model_dir, work = sys.argv[1], sys.argv[2], Path(sys.argv[3])
-    default = ["verl", "plugin", "v1-verl", "v1-plugin", "async-verl", "async-plugin"]
+    default = ["verl", "plugin", "v1-verl", "v1-plugin", "async-verl", "async-plugin",
+               "offpolicy-verl", "offpolicy-plugin"]  # fmt: skip
     modes = sys.argv[4].split(",") if len(sys.argv) > 4 else default
     paths = {"PYTHONPATH": os.environ.get("PYTHONPATH", "")}
     ray.init(address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": paths})
@@ -341,14 +368,21 @@ def main() -> int:
             async_serving = Serving.start(vllm_url, async_config)
         each = async_serving if mode.startswith("async") else serving
         assert each is not None
+        building = time.monotonic()
+        legacy = next((b.manager for b in built if b.mode == "verl"), None)
         built.append(build(mode, each, model_dir, work, rewards.reward_loop_worker_handles,
-                           started if mode.endswith("plugin") else None))  # fmt: skip
+                           started if mode.endswith("plugin") else None, legacy))  # fmt: skip
+        print(f"{mode} built: {time.monotonic() - building:.1f} s", flush=True)
         started = started or getattr(built[-1].manager, "_trace_proxy", None)
+    print(f"managers built: {time.monotonic() - began:.1f} s", flush=True)
     for each in built:
+        ran = time.monotonic()
         run(each, work, vllm_url)
+        print(f"{each.mode}: {time.monotonic() - ran:.1f} s", flush=True)
     if started is not None:
         started.stop()  # drains: every record is in the store when this returns
     ray.shutdown()
+    print(f"run: {time.monotonic() - began:.1f} s", flush=True)
     return 0
 
 
