@@ -31,6 +31,7 @@ from typing import IO
 
 import pytest
 
+from .hostile import is_hostile_test
 from .provision import provision
 from .servers import REAL_TESTS_DIR, RealServer
 
@@ -40,7 +41,6 @@ VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
 # (so that its traffic to the vLLM server never overlaps the runs they compare)
 FULLY_ASYNC_TESTS = REAL_TESTS_DIR / "test_verl_fully_async.py"
 CLUSTER_TESTS = REAL_TESTS_DIR / "test_verl_cluster.py"
-HOSTILE_TESTS = REAL_TESTS_DIR / "test_hostile_environment.py"
 RUN_TIMEOUT_S = 1500.0
 STOP_GRACE_S = 10.0
 
@@ -84,7 +84,7 @@ class VerlRun:
         verl = [item for item in items if is_verl_test(item)]
         fully_async = [item for item in items if is_fully_async_test(item)]
         cluster = [item for item in items if is_cluster_test(item)]
-        hostile = [item for item in items if item.path.resolve() == HOSTILE_TESTS]
+        hostile = [item for item in items if is_hostile_test(item)]
         at_the_end = verl + fully_async + cluster + hostile
         items[:] = [item for item in items if item not in at_the_end]
         items += at_the_end
