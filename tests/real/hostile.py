@@ -11,7 +11,6 @@ environment.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +18,7 @@ from typing import IO
 
 import pytest
 
-from .servers import REAL_TESTS_DIR, RealServers
+from .servers import REAL_TESTS_DIR, RealServers, stop_group
 
 HOSTILE_TESTS = REAL_TESTS_DIR / "test_hostile_environment.py"
 STOP_GRACE_S = 10.0
@@ -128,17 +127,8 @@ class HostileRun:
     def stop(self) -> None:
         """At the session's end: the session and every process it started, if still running."""
         process = self._process
-        if process is not None and process.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    process.wait(timeout=STOP_GRACE_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        if process is not None:
+            stop_group(process, STOP_GRACE_S)
         self._close()
 
     def _close(self) -> None:

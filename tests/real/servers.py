@@ -207,6 +207,23 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         os.killpg(process.pid, sig)
 
 
+def stop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """A process started in a session of its own, and everything it started, if still running:
+    SIGTERM the group, SIGKILL it after `grace_s`."""
+    if process.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _stop(launched: _Launched) -> None:
     """SIGTERM the group (lets vLLM stop its engine core), SIGKILL whatever is left; a server
     handed over is left to the session that started it."""

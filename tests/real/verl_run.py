@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -33,7 +32,7 @@ import pytest
 
 from .hostile import is_hostile_test
 from .provision import provision
-from .servers import REAL_TESTS_DIR, RealServer
+from .servers import REAL_TESTS_DIR, RealServer, stop_group
 
 REPO = REAL_TESTS_DIR.parent.parent
 VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
@@ -152,17 +151,8 @@ class VerlRun:
         """At the session's end (or past its timeout): the run and every process it started
         (Ray's), if still running."""
         process = self._process
-        if process is not None and process.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    process.wait(timeout=STOP_GRACE_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        if process is not None:
+            stop_group(process, STOP_GRACE_S)
         if self._log is not None:
             self._log.close()
             self._log = None
