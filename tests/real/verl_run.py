@@ -77,9 +77,10 @@ class VerlRun:
         return self._process is not None or self._failed is not None
 
     def order_items(self, items: list[pytest.Item]) -> None:
-        """verl's tests last, and after them the hostile environment's (whose session starts
-        real servers of its own); the run to start with the first test after the last other one
-        that uses the real vLLM server (None: no test comes between, verl's fixture starts it)."""
+        """verl's tests last, and after them the hostile environment's (which waits for its
+        session, handed the vLLM server once verl's runs are done with it: hostile.py); the run
+        to start with the first test after the last other one that uses the real vLLM server
+        (None: no test comes between, verl's fixture starts it)."""
         verl = [item for item in items if is_verl_test(item)]
         fully_async = [item for item in items if is_fully_async_test(item)]
         cluster = [item for item in items if is_cluster_test(item)]
