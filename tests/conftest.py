@@ -12,6 +12,7 @@ import isolation  # first: before any library reads the environment
 import pytest
 from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
+from real.hostile import HOSTILE_RUN, is_hostile_test
 from real.servers import RealServers, real_servers
 from real.verl_run import CLUSTER_RUN, FULLY_ASYNC_RUN, VERL_RUN, is_fully_async_test
 
@@ -82,12 +83,14 @@ def _real_servers(
         try:
             yield servers
         finally:
+            HOSTILE_RUN.stop()
             VERL_RUN.stop()
             FULLY_ASYNC_RUN.stop()
             CLUSTER_RUN.stop()
 
 
 _FULLY_ASYNC_SELECTED = pytest.StashKey[bool]()
+_HOSTILE_SELECTED = pytest.StashKey[bool]()
 
 
 def _fully_async_selected(request: pytest.FixtureRequest) -> bool:
@@ -95,6 +98,16 @@ def _fully_async_selected(request: pytest.FixtureRequest) -> bool:
     if _FULLY_ASYNC_SELECTED not in stash:
         stash[_FULLY_ASYNC_SELECTED] = any(map(is_fully_async_test, request.session.items))
     return stash[_FULLY_ASYNC_SELECTED]
+
+
+def _hostile_selected(request: pytest.FixtureRequest) -> bool:
+    stash = request.session.stash
+    if _HOSTILE_SELECTED not in stash:
+        stash[_HOSTILE_SELECTED] = any(
+            is_hostile_test(item) and item.get_closest_marker("skip") is None
+            for item in request.session.items
+        )
+    return stash[_HOSTILE_SELECTED]
 
 
 @pytest.fixture(autouse=True)
@@ -105,13 +118,22 @@ def _verl_in_the_background(
 ) -> None:
     """verl's run starts with the first test after the last other one that uses the real vLLM
     server (real/verl_run.py), and goes on beside the tests that follow; the fully async run
-    starts with the first test after verl's run has exited."""
-    if VERL_RUN.exited and not FULLY_ASYNC_RUN.started and _fully_async_selected(request):
+    starts with the first test after verl's run has exited, and the hostile environment's
+    session (real/hostile.py) with the first test after both have: the server is theirs alone
+    until then."""
+    fully_async = _fully_async_selected(request)
+    if VERL_RUN.exited and not FULLY_ASYNC_RUN.started and fully_async:
         try:
             vllm = _real_servers.wait_healthy("real_vllm")
             FULLY_ASYNC_RUN.start(vllm, tmp_path_factory.mktemp("verl-fully-async"))
         except (Exception, pytest.fail.Exception, pytest.skip.Exception) as exc:
             FULLY_ASYNC_RUN.could_not_start(repr(exc))
+    verl_done = VERL_RUN.exited and (FULLY_ASYNC_RUN.exited or not fully_async)
+    if verl_done and not HOSTILE_RUN.started and _hostile_selected(request):
+        try:
+            HOSTILE_RUN.start(_real_servers, tmp_path_factory.mktemp("hostile"))
+        except (Exception, pytest.fail.Exception, pytest.skip.Exception) as exc:
+            HOSTILE_RUN.could_not_start(repr(exc))  # its own test reports it
     if request.node is not VERL_RUN.start_with or VERL_RUN.started:
         return
     try:

@@ -5,11 +5,16 @@ real thing. Only the servers the selected tests use are started, all of them bef
 test of the session (vLLM alone needs over a minute, which then overlaps the tests before the
 first real one) and before either is waited on; their whole process groups are stopped at
 session end. The fixtures are in the root conftest.py (the launch) and in conftest.py here.
+
+A pytest session that a test starts (hostile.py) may be handed the session's
+running servers instead of starting its own (`handed_over_env`): it takes them only from the
+process that started it, and never stops them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -20,7 +25,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, NoReturn
 
 import pytest
 
@@ -34,6 +39,8 @@ STOP_TIMEOUT_S = 30.0
 HEALTH_POLL_S = 0.5
 LOG_TAIL_LINES = 60
 VLLM_MODEL_NAME = "tiny-qwen"
+# Set only by a test for the pytest session it starts; isolation.py keeps it (a suite switch).
+HANDED_OVER_ENV = "TRACE_PROXY_TEST_HANDED_OVER"
 
 
 @dataclass(frozen=True)
@@ -52,8 +59,8 @@ class _Launched:
 
     name: str
     server: RealServer
-    process: subprocess.Popen[bytes]
-    log_file: IO[bytes]
+    process: subprocess.Popen[bytes] | None  # None: handed over, its starter's to stop
+    log_file: IO[bytes] | None
     started_at: float
 
 
@@ -134,6 +141,24 @@ LAUNCHERS: dict[str, Callable[[Provisioned, Path], _Launched]] = {
 }
 
 
+def _handed_over(name: str) -> RealServer | None:
+    """The server `name` that the process which started this session handed over to it, if any.
+
+    The handover names its giver, so a value left in a shell (which this session's parent would
+    not have given) is never taken: only a server started by the suite's own parent session is.
+    """
+    given = json.loads(os.environ.get(HANDED_OVER_ENV) or "{}")
+    if given.get("parent") != os.getppid() or name not in given.get("servers", {}):
+        return None
+    fields = given["servers"][name]
+    return RealServer(
+        base_url=fields["base_url"],
+        model=fields["model"],
+        model_dir=Path(fields["model_dir"]),
+        log_path=Path(fields["log_path"]),
+    )
+
+
 def _is_healthy(base_url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=5) as response:
@@ -156,6 +181,8 @@ def _wait_healthy(launched: _Launched) -> RealServer:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             _fail(launched, f"not healthy after {_startup_timeout():.0f} s")
+        if launched.process is None:  # handed over healthy: it is not starting, it has failed
+            _fail(launched, "handed over by the session that started this one, not healthy")
         try:
             code = launched.process.wait(timeout=min(HEALTH_POLL_S, remaining))
         except subprocess.TimeoutExpired:
@@ -163,12 +190,14 @@ def _wait_healthy(launched: _Launched) -> RealServer:
         _fail(launched, f"exited with code {code} before becoming healthy")
     elapsed = time.monotonic() - launched.started_at
     url = launched.server.base_url
-    print(f"\n[real] {launched.name} healthy at {url} (first needed {elapsed:.1f} s after launch)")
+    how = "handed over" if launched.process is None else f"{elapsed:.1f} s after launch"
+    print(f"\n[real] {launched.name} healthy at {url} (first needed {how})")
     return launched.server
 
 
-def _fail(launched: _Launched, why: str) -> None:
-    launched.log_file.flush()
+def _fail(launched: _Launched, why: str) -> NoReturn:
+    if launched.log_file is not None:
+        launched.log_file.flush()
     log = launched.server.log_path
     pytest.fail(f"{launched.name} {why}; last lines of {log}:\n{_tail(log)}", pytrace=False)
 
@@ -178,8 +207,28 @@ def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None
         os.killpg(process.pid, sig)
 
 
+def stop_group(process: subprocess.Popen[bytes], grace_s: float) -> None:
+    """A process started in a session of its own, and everything it started, if still running:
+    SIGTERM the group, SIGKILL it after `grace_s`."""
+    if process.poll() is not None:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            process.wait(timeout=grace_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _stop(launched: _Launched) -> None:
-    """SIGTERM the group (lets vLLM stop its engine core), SIGKILL whatever is left."""
+    """SIGTERM the group (lets vLLM stop its engine core), SIGKILL whatever is left; a server
+    handed over is left to the session that started it."""
+    if launched.process is None or launched.log_file is None:
+        return
     _signal_group(launched.process, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
         launched.process.wait(timeout=STOP_TIMEOUT_S)
@@ -208,12 +257,25 @@ class RealServers:
 
     def launch(self, name: str) -> _Launched:
         if name not in self._launched:
+            handed_over = _handed_over(name)
+            if handed_over is not None:
+                self._launched[name] = _Launched(name, handed_over, None, None, time.monotonic())
+                return self._launched[name]
             self._work_dir = self._work_dir or self._make_work_dir()
             self._launched[name] = LAUNCHERS[name](self.provisioned, self._work_dir)
         return self._launched[name]
 
     def wait_healthy(self, name: str) -> RealServer:
         return _wait_healthy(self.launch(name))
+
+    def handed_over_env(self, name: str) -> dict[str, str]:
+        """The environment for a pytest session this process starts, in which the tests that
+        use the server `name` use this session's, healthy (waited on here), instead of one of
+        its own: a start-up saved, and a machine that cannot hold two of them."""
+        server = self.wait_healthy(name)
+        fields = {"base_url": server.base_url, "model": server.model,
+                  "model_dir": str(server.model_dir), "log_path": str(server.log_path)}  # fmt: skip
+        return {HANDED_OVER_ENV: json.dumps({"parent": os.getpid(), "servers": {name: fields}})}
 
     def stop_all(self) -> None:
         """Stop every server; a test that needs one later launches it again."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
@@ -31,8 +30,9 @@ from typing import IO
 
 import pytest
 
+from .hostile import is_hostile_test
 from .provision import provision
-from .servers import REAL_TESTS_DIR, RealServer
+from .servers import REAL_TESTS_DIR, RealServer, stop_group
 
 REPO = REAL_TESTS_DIR.parent.parent
 VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
@@ -40,7 +40,6 @@ VERL_TESTS = REAL_TESTS_DIR / "test_verl_plugin.py"
 # (so that its traffic to the vLLM server never overlaps the runs they compare)
 FULLY_ASYNC_TESTS = REAL_TESTS_DIR / "test_verl_fully_async.py"
 CLUSTER_TESTS = REAL_TESTS_DIR / "test_verl_cluster.py"
-HOSTILE_TESTS = REAL_TESTS_DIR / "test_hostile_environment.py"
 RUN_TIMEOUT_S = 1500.0
 STOP_GRACE_S = 10.0
 
@@ -78,13 +77,14 @@ class VerlRun:
         return self._process is not None or self._failed is not None
 
     def order_items(self, items: list[pytest.Item]) -> None:
-        """verl's tests last, and after them the hostile environment's (whose session starts
-        real servers of its own); the run to start with the first test after the last other one
-        that uses the real vLLM server (None: no test comes between, verl's fixture starts it)."""
+        """verl's tests last, and after them the hostile environment's (which waits for its
+        session, handed the vLLM server once verl's runs are done with it: hostile.py); the run
+        to start with the first test after the last other one that uses the real vLLM server
+        (None: no test comes between, verl's fixture starts it)."""
         verl = [item for item in items if is_verl_test(item)]
         fully_async = [item for item in items if is_fully_async_test(item)]
         cluster = [item for item in items if is_cluster_test(item)]
-        hostile = [item for item in items if item.path.resolve() == HOSTILE_TESTS]
+        hostile = [item for item in items if is_hostile_test(item)]
         at_the_end = verl + fully_async + cluster + hostile
         items[:] = [item for item in items if item not in at_the_end]
         items += at_the_end
@@ -152,17 +152,8 @@ class VerlRun:
         """At the session's end (or past its timeout): the run and every process it started
         (Ray's), if still running."""
         process = self._process
-        if process is not None and process.poll() is None:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(process.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    process.wait(timeout=STOP_GRACE_S)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+        if process is not None:
+            stop_group(process, STOP_GRACE_S)
         if self._log is not None:
             self._log.close()
             self._log = None
