@@ -536,8 +536,8 @@ async def test_a_call_is_admitted_with_the_version_in_force_once_the_gate_opens(
 
 
 async def test_calls_arriving_together_share_a_read_that_starts_after_each_arrived() -> None:
-    """A worker with many calls in flight asks a server once per round trip, and no call gets a
-    read that was under way before it arrived (a sync could have fallen between)."""
+    """Calls sent together ask a server once, no call gets a read that was under way before it
+    arrived (a sync could have fallen between), and none waits for another's read to end."""
     from trace_proxy.integrations.verl.admission import GateReads, admit
 
     class Server:
@@ -560,14 +560,18 @@ async def test_calls_arriving_together_share_a_read_that_starts_after_each_arriv
     first = [asyncio.create_task(admit(server, reads, "s")) for _ in range(5)]
     while len(server.started) < 1:
         await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(server.started) == 1  # five calls sent together, one read
     server.global_steps = 4  # a sync completes while the first read is under way
     later = [asyncio.create_task(admit(server, reads, "s")) for _ in range(7)]
-    await asyncio.sleep(0)
-    assert len(server.started) == 1  # the later calls wait for a read of their own
-    server.started[0].set_result(None)
-    assert [a.version for a in await asyncio.gather(*first)] == [3] * 5
-    while len(server.started) < 2:
+    while len(server.started) < 2:  # the later calls' own read, beside the first
         await asyncio.sleep(0)
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert len(server.started) == 2
     server.started[1].set_result(None)
     assert [a.version for a in await asyncio.gather(*later)] == [4] * 7
+    server.started[0].set_result(None)
+    assert [a.version for a in await asyncio.gather(*first)] == [3] * 5
     assert len(server.started) == 2

@@ -20,7 +20,7 @@ join. Servers without a gate (another verl build) are read as always open.
 
 Calls arriving together share a read (`GateReads`): a call joins the next read to start after it
 arrived, never one already under way, so what it gets is as fresh as a read of its own, while a
-worker with hundreds of calls in flight asks each server once per round trip, not once per call.
+batch sent at once asks each server once, not once per call.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ def read_gate(server: Any) -> tuple[bool, bool, Any]:
 
 
 class GateReads:
-    """One worker's reads of its servers' gates, shared by the calls that arrive while a read
-    is under way: they wait for the one that starts after it."""
+    """One worker's reads of its servers' gates: the calls to a server that arrive before its
+    next read starts (in one turn of the event loop, a batch sent together) share that read;
+    reads of one server may overlap, so no call waits for another's read to end."""
 
     def __init__(self) -> None:
         self._next: dict[Any, asyncio.Future[tuple[bool, bool, Any]]] = {}
-        self._reading: dict[Any, asyncio.Task[None]] = {}
+        self._reading: set[asyncio.Task[None]] = set()
 
     async def read(self, key: Any, server: Any) -> tuple[bool, bool, Any]:
         waiting = self._next.get(key)
@@ -64,25 +65,21 @@ class GateReads:
             waiting = asyncio.get_running_loop().create_future()
             waiting.add_done_callback(_retrieved)
             self._next[key] = waiting
-            if key not in self._reading:
-                self._reading[key] = asyncio.create_task(self._read_while_asked(key, server))
+            task = asyncio.create_task(self._read(key, server, waiting))
+            self._reading.add(task)
+            task.add_done_callback(self._reading.discard)
         return await asyncio.shield(waiting)
 
-    async def _read_while_asked(self, key: Any, server: Any) -> None:
+    async def _read(self, key: Any, server: Any, asked: asyncio.Future[Any]) -> None:
+        if self._next.get(key) is asked:
+            del self._next[key]  # who arrives from now on waits for a read that starts later
         try:
-            while (asked := self._next.pop(key, None)) is not None:
-                try:
-                    asked.set_result(await server.__ray_call__.remote(read_gate))
-                except asyncio.CancelledError:
-                    asked.cancel()
-                    raise
-                except BaseException as exc:  # every caller gets what the read raised
-                    asked.set_exception(exc)
-        finally:
-            del self._reading[key]
-            left = self._next.pop(key, None)
-            if left is not None:
-                left.cancel()
+            asked.set_result(await server.__ray_call__.remote(read_gate))
+        except asyncio.CancelledError:
+            asked.cancel()
+            raise
+        except BaseException as exc:  # every caller gets what the read raised
+            asked.set_exception(exc)
 
 
 def _retrieved(future: asyncio.Future[Any]) -> None:
