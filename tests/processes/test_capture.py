@@ -23,8 +23,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multidict import CIMultiDict, CIMultiDictProxy
 from support.proxies import children, gone, metric, running_proxy, trajectories
+from support.serve import start_serve
 
-from processes.test_lifecycle import start_serve
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.wire import (
     HEAD,

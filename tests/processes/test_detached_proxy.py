@@ -23,8 +23,8 @@ import aiohttp
 import pytest
 from fakes import FakeVLLM
 from support.proxies import children, gone, trajectories
+from support.serve import chat, stored, until, until_gone
 
-from processes.test_lifecycle import chat, stored, until, until_gone
 from trace_proxy.processes.lifeline import ORPHAN_SLACK, orphan_bound
 
 GRACE = 3.0

@@ -14,8 +14,8 @@ from typing import Any
 import aiohttp
 import pytest
 from support.proxies import children
+from support.serve import chat, start_serve, stored, until, until_gone, until_ready
 
-from processes.test_lifecycle import chat, start_serve, stored, until, until_gone, until_ready
 from trace_proxy.exporters.leftovers import spool_records_after
 
 

@@ -14,9 +14,9 @@ import aiohttp
 import orjson
 from fakes.hub import FakeHub
 from support.proxies import trajectories
+from support.serve import readiness, start_serve, until_ready
 
 from processes.test_capture import chat
-from processes.test_lifecycle import readiness, start_serve, until_ready
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 
 GUARD = 60
