@@ -49,7 +49,7 @@ sys.path.insert(0, str(BENCH_DIR))
 
 from benchlib.frames import sent_by_another_process  # noqa: E402
 
-import trace_proxy.capture.stage as stage_module  # noqa: E402
+import trace_proxy.capture.dispatch as dispatch_module  # noqa: E402
 from trace_proxy.capture.exchange import Exchange  # noqa: E402
 from trace_proxy.capture.wire import FrameReader, LongFrame  # noqa: E402
 from trace_proxy.config import Settings  # noqa: E402
@@ -95,26 +95,26 @@ class StageClock:
     def installed(self) -> Iterator[None]:
         """The stages' functions wrapped where the capture stage and assembler look them up."""
         saved = (
-            stage_module.decode_request,
-            stage_module.DIALECTS,
-            stage_module.CaptureStage._latest_prompt,
+            dispatch_module.decode_request,
+            dispatch_module.DIALECTS,
+            dispatch_module.Dispatcher._latest_prompt,
             Assembler.add_call,
             Assembler.run_pending,
         )
-        stage_module.decode_request = self.wrap("decode", saved[0])
-        stage_module.DIALECTS = {
+        dispatch_module.decode_request = self.wrap("decode", saved[0])
+        dispatch_module.DIALECTS = {
             path: (name, self.wrap("response", parser)) for path, (name, parser) in saved[1].items()
         }
-        stage_module.CaptureStage._latest_prompt = self.wrap("key fields", saved[2])
+        dispatch_module.Dispatcher._latest_prompt = self.wrap("key fields", saved[2])
         Assembler.add_call = self.wrap("assembler", saved[3])
         Assembler.run_pending = self.wrap("closing", saved[4])
         try:
             yield
         finally:
             (
-                stage_module.decode_request,
-                stage_module.DIALECTS,
-                stage_module.CaptureStage._latest_prompt,
+                dispatch_module.decode_request,
+                dispatch_module.DIALECTS,
+                dispatch_module.Dispatcher._latest_prompt,
                 Assembler.add_call,
                 Assembler.run_pending,
             ) = saved

@@ -11,7 +11,7 @@ own Assembler (so prompts are prefix-shared as in the store). One warm-up pass r
 sequences Token2Text decodes (stored prompt suffixes, outputs, the transcript, the tool-result
 slices); then, in each round, both paths run on the same ids, in alternating order, and the
 median of the rounds is reported. Token2Text runs twice: as the proxy runs it (decoding and
-the retokenization drift checks, trajectories/drift.py) and with decoding alone (a tokenizer
+the retokenization drift checks, text/drift.py) and with decoding alone (a tokenizer
 added without its codec), so the drift checks' share is measured. Prints a markdown table;
 writes nothing.
 """
@@ -36,11 +36,11 @@ from typing import Any
 from tokenizers import Tokenizer
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer, load_qwen_tokenizer
+from trace_proxy.text.token2text import Token2Text, Tokenizers, load_configured
+from trace_proxy.text.toolparsers import get_parser
 from trace_proxy.trajectories.assembler import Assembler
 from trace_proxy.trajectories.keys import KeyHints
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, Record, Trajectory
-from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, load_configured
-from trace_proxy.trajectories.toolparsers import get_parser
 
 IM_END = 151645
 WORDS = (

@@ -65,12 +65,13 @@ async def record_trajectories(count: int) -> list[Any]:
     from trace_proxy.demo.run import rollout
     from trace_proxy.demo.simulated_vllm import SimulatedVLLM
     from trace_proxy.demo.tokenizer import load_qwen_tokenizer
+    from trace_proxy.exporters.base import Exporter
     from trace_proxy.proxy.service import ProxyService
     from trace_proxy.trajectories.record import Record, Trajectory
 
     kept: list[Record] = []
 
-    class Keep:
+    class Keep(Exporter):
         name = "keep"
 
         def export(self, records: list[Record]) -> None:

@@ -11,7 +11,8 @@ Both paths use verl's real LLM client and load balancer (`LLMServerClient`,
 the client-side path alone: verl's own (acquire, Ray call to the actor's `generate`, release)
 and the plugin's (acquire, HTTP POST through the node's trace-proxy, started by the plugin's
 own `ProxyFleet` as a Ray actor, recording every call to jsonl, to the same actor's HTTP port;
-`global_steps` and the gate read from the server actor for each call; release). The upstream
+`global_steps` and the gate read from the server actor for each call (calls arriving together
+share a read that starts after each arrived); release). The upstream
 answers /v1/completions with a fixed body of 16 token ids and log probs; the actor's
 `generate` returns the same tokens as verl's TokenOutput. As on a GPU node, the proxy (and
 its helper processes) has a core of its own (`--pin`, the default): everything else, this

@@ -1,5 +1,5 @@
-"""Every reason the proxy can count a call or a record as dropped is named in the README's table
-of drop reasons, and the table names no reason the code cannot count: a user reading
+"""Every reason the proxy can count a call or a record as dropped is named in the table of drop
+reasons in docs/reliability.md, and the table names no reason the code cannot count: a user reading
 `trace_proxy_capture_dropped{reason="capture_process_down"}` on /metrics finds what it means.
 
 The code's reasons are found in its source, the way a reader greps for them: each string given
@@ -17,7 +17,7 @@ from pathlib import Path
 import trace_proxy
 
 PACKAGE = Path(trace_proxy.__file__).parent
-README = PACKAGE.parent / "README.md"
+DROP_REASONS_DOC = PACKAGE.parent / "docs" / "reliability.md"
 COUNTERS = {
     "capture_dropped": "trace_proxy_capture_dropped",
     "spool_dropped": "trace_proxy_spool_dropped",
@@ -77,7 +77,7 @@ def reasons_in_code() -> set[tuple[str, str]]:
 
 
 def documented_reasons() -> set[tuple[str, str]]:
-    return set(ROW.findall(README.read_text()))
+    return set(ROW.findall(DROP_REASONS_DOC.read_text()))
 
 
 def test_the_code_counts_the_reasons_this_test_looks_for() -> None:
@@ -90,7 +90,7 @@ def test_the_code_counts_the_reasons_this_test_looks_for() -> None:
     assert {counter for counter, _ in found} == set(COUNTERS.values())
 
 
-def test_the_readme_names_every_drop_reason_the_code_counts_and_no_other() -> None:
+def test_the_docs_name_every_drop_reason_the_code_counts_and_no_other() -> None:
     code, documented = reasons_in_code(), documented_reasons()
     assert code - documented == set(), "counted but not documented"
     assert documented - code == set(), "documented but never counted"

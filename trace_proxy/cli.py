@@ -171,7 +171,7 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
 async def _serve(settings: Settings) -> int:
     from trace_proxy.proxy.service import ProxyService
-    from trace_proxy.trajectories.token2text import TokenizerError
+    from trace_proxy.text.token2text import TokenizerError
 
     try:
         service = ProxyService(settings)
@@ -263,7 +263,7 @@ def _targets(settings: Settings) -> str:
 
 
 def _start_error(error: BaseException) -> str:
-    from trace_proxy.trajectories.token2text import TokenizerError
+    from trace_proxy.text.token2text import TokenizerError
 
     if isinstance(error, TokenizerError):
         return f"invalid value for --tokenizer: {error}"

@@ -23,8 +23,8 @@ from typing import Any
 
 import yaml
 
+from trace_proxy.text.toolparsers import get_parser
 from trace_proxy.trajectories.keys import parse_mapping
-from trace_proxy.trajectories.toolparsers import get_parser
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -486,6 +486,17 @@ class Settings:
         parse_log_level, "INFO", "debug, info, warning or error",
         metavar="LEVEL", commands=("serve", "demo"))
     # fmt: on
+
+    @property
+    def spool_path(self) -> Path:
+        """Where the spool is: --spool-dir, else beside the store (OUTPUT/.spool)."""
+        return self.spool_dir or self.output / ".spool"
+
+    @property
+    def uses_tokenizers(self) -> bool:
+        """Whether tokenizers are loaded at all: to decode (--token2text), or named for
+        telling rollouts apart (--tokenizer)."""
+        return self.token2text or bool(self.tokenizer)
 
 
 OPTIONS: tuple[Option, ...] = tuple(

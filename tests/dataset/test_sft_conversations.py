@@ -40,6 +40,8 @@ from support.proxies import running_proxy
 
 from trace_proxy.dataset.sft import decode_missing, sft_row
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
+from trace_proxy.text.token2text import Token2Text, Tokenizers, decoder_for
+from trace_proxy.text.toolparsers import get_parser
 from trace_proxy.trajectories.prompts import share_prefixes
 from trace_proxy.trajectories.record import (
     GenerateCall,
@@ -49,8 +51,6 @@ from trace_proxy.trajectories.record import (
     Trajectory,
     dumps,
 )
-from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
-from trace_proxy.trajectories.toolparsers import get_parser
 
 HERMES = get_parser("hermes")
 TOOLS = [

@@ -19,8 +19,8 @@ from support.proxies import events, trajectories
 from trace_proxy.demo.simulated_vllm import TextModel
 from trace_proxy.demo.simulated_vllm.policy import lookups_in, mistaken
 from trace_proxy.demo.tasks import TASKS, TOOLS, Task, evaluate, reward_of, run_tool, weather
-from trace_proxy.store.annotations import merged_outcome
 from trace_proxy.store.readers import iter_records
+from trace_proxy.trajectories.rewards import merged_outcome
 
 TASK_BY_QUESTION = {task.question: task for task in TASKS}
 

@@ -41,6 +41,7 @@ from trace_proxy.exporters.backends.otlp import (
     OtlpExportError,
     parse_headers,
 )
+from trace_proxy.exporters.base import Exporter
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.prompts import share_prefixes
@@ -76,7 +77,7 @@ TOKEN_KEY = {"X-Rollout-Experiment": "grpo", "X-Rollout-Step": "1", "X-Rollout-S
 TOOL_RESULT = '{"temp_c": 18}'
 
 
-class Keep:
+class Keep(Exporter):
     """A backend that keeps the records it is given, to export them again in other tests."""
 
     name = "keep"
@@ -561,8 +562,8 @@ def test_headers_are_name_value_pairs() -> None:
 def test_partly_shared_token_prompts_unanswered_and_failed_tools(qwen_tokenizer: Any) -> None:
     """A re-rendered turn shares only part of the context: the last call's prompt comes from
     the stored transcript, an earlier one sends its decoded suffix and says what it left out."""
-    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
-    from trace_proxy.trajectories.toolparsers import get_parser
+    from trace_proxy.text.token2text import Token2Text, Tokenizers, decoder_for
+    from trace_proxy.text.toolparsers import get_parser
 
     encode = qwen_tokenizer.encode
     said = "Sunny.<|im_end|>"

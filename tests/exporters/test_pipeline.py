@@ -11,15 +11,16 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from support.proxies import inline_pipeline, metric, trajectories
 
 from trace_proxy.exporters.backends.jsonl import JsonlExporter
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Capabilities, Exporter, ExportRejected, Processor
 from trace_proxy.exporters.pipeline import ExportPipeline
 from trace_proxy.exporters.runner import ExportRunner
-from trace_proxy.exporters.spool import Cursor, SpoolWriter
+from trace_proxy.exporters.spool import Cursor, CursorState, SpoolWriter
 from trace_proxy.metrics import ExportMetrics, Metrics
 from trace_proxy.store.layout import record_names
 from trace_proxy.store.names import store_name
@@ -30,6 +31,7 @@ from trace_proxy.trajectories.record import (
     Prompt,
     Record,
     RolloutKey,
+    SpooledTrajectory,
     StepEvent,
     Trajectory,
     dumps,
@@ -44,7 +46,7 @@ def record(i: int, payload: str = "") -> Trajectory:
                       labels={"payload": payload} if payload else {})  # fmt: skip
 
 
-class Collecting:
+class Collecting(Exporter):
     def __init__(self, name: str = "collect") -> None:
         self.name = name
         self.records: list[Record] = []
@@ -56,7 +58,7 @@ class Collecting:
         pass
 
 
-class Failing:
+class Failing(Exporter):
     """A backend that is down: fault injection."""
 
     name = "down"
@@ -72,7 +74,7 @@ class Failing:
         pass
 
 
-class Stuck:
+class Stuck(Exporter):
     """A backend that hangs until released: fault injection."""
 
     name = "stuck"
@@ -198,7 +200,7 @@ async def test_a_record_that_cannot_be_encoded_is_counted_and_the_writer_goes_on
 
 
 async def test_a_failing_processor_exports_records_as_they_are(tmp_path: Path) -> None:
-    class Broken:
+    class Broken(Processor):
         name = "broken"
 
         def process(self, records: list[Record]) -> None:
@@ -215,7 +217,7 @@ async def test_a_failing_processor_exports_records_as_they_are(tmp_path: Path) -
 
 
 async def test_processors_run_once_for_all_backends(tmp_path: Path) -> None:
-    class Counting:
+    class Counting(Processor):
         name = "counting"
 
         def __init__(self) -> None:
@@ -312,7 +314,7 @@ def event(name: str, time: float) -> StepEvent:
     return StepEvent(name, f"/{name}", "http://u", time, project="p", experiment="e")
 
 
-class Unchanging:
+class Unchanging(Processor):
     """A processor that changes nothing but does not say so: records are decoded for it."""
 
     name = "unchanging"
@@ -362,6 +364,67 @@ async def test_spooled_lines_are_written_as_a_decoded_record_would_be(tmp_path: 
     assert stores["spooled"] == stores["decoded"]
     lines = b"".join(stores["spooled"].values()).splitlines()
     assert sorted(loads(line).record for line in lines) == ["event"] + ["trajectory"] * 12
+
+
+class Telling(JsonlExporter):
+    """The jsonl store under another name and with the capabilities it is given, counting
+    the spool lines it is handed and how often it is asked what it already holds."""
+
+    def __init__(self, output: Path, name: str, capabilities: Capabilities) -> None:
+        super().__init__(output)
+        self.name = name
+        self.capabilities = capabilities
+        self.lines = 0
+        self.asked = 0
+
+    def export_lines(self, records: Sequence[Record | SpooledTrajectory]) -> None:
+        self.lines += sum(isinstance(r, SpooledTrajectory) for r in records)
+        super().export_lines(records)
+
+    def exported_ids(self, records: list[Trajectory]) -> set[str]:
+        self.asked += 1
+        return super().exported_ids(records)
+
+
+async def test_a_backend_is_asked_only_what_its_capabilities_say(tmp_path: Path) -> None:
+    """What a backend can do is what it declares: one that declares nothing (`plain`, or
+    `undeclared`, which has the methods) gets decoded records through `export`, and after a
+    crash the whole batch that was in flight again; the jsonl store's declaration gets it
+    spool lines and no duplicate."""
+    spool = tmp_path / ".spool"
+
+    def backends() -> tuple[Telling, Telling, Collecting]:
+        return (
+            Telling(tmp_path / "declared", "declared", JsonlExporter.capabilities),
+            Telling(tmp_path / "undeclared", "undeclared", Capabilities()),
+            Collecting("plain"),
+        )
+
+    declared, undeclared, plain = backends()
+    idle = Idle()
+    pipeline, _ = inline_pipeline(spool, [declared, undeclared, plain], processors=[idle])
+    await pipeline.start()
+    for i in range(8):
+        pipeline.submit(record(i))
+    await pipeline.flush()
+    await pipeline.close()
+    assert (declared.lines, undeclared.lines) == (8, 0)
+    assert all(isinstance(r, Trajectory) for r in plain.records) and len(plain.records) == 8
+    assert idle.passed == 8  # counted by the one lane that took lines
+
+    for name in ("declared", "undeclared", "plain"):  # a crash before any cursor moved on
+        Cursor(spool, name).save(CursorState(0, 8))
+    declared, undeclared, plain = backends()
+    pipeline, _ = inline_pipeline(spool, [declared, undeclared, plain], processors=[Idle()])
+    await pipeline.start()
+    await pipeline.flush()
+    await pipeline.close()
+    assert declared.asked > 0 and undeclared.asked == 0
+    assert sorted(t["id"] for t in trajectories(tmp_path / "declared")) == [
+        f"t{i}" for i in range(8)
+    ]
+    assert len(trajectories(tmp_path / "undeclared")) == 16  # sent again, as it cannot tell
+    assert ids(plain.records) == [f"t{i}" for i in range(8)]
 
 
 def test_only_trajectory_lines_of_this_schema_are_taken_by_their_head() -> None:

@@ -71,8 +71,8 @@ def chat_rollout() -> Trajectory:
 def token_rollout(tokenizer: Any, answers: list[str], next_prompts: list[str]) -> Trajectory:
     """A token-in rollout decoded by token2text: each prompt the previous one, then
     `next_prompts[i]` (a re-rendered answer and the next user turn)."""
-    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
-    from trace_proxy.trajectories.toolparsers import get_parser
+    from trace_proxy.text.token2text import Token2Text, Tokenizers, decoder_for
+    from trace_proxy.text.toolparsers import get_parser
 
     prompts = [tokenizer.encode(CHATML)]
     for more in next_prompts:

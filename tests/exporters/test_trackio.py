@@ -52,7 +52,7 @@ from trace_proxy.exporters.backends.trackio import (
 )
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.names import store_name
-from trace_proxy.trajectories.toolparsers import get_parser
+from trace_proxy.text.toolparsers import get_parser
 
 # Not importorskip: importing trackio here would fix its directory before the fixture sets it.
 pytestmark = pytest.mark.skipif(
@@ -472,6 +472,8 @@ def test_a_re_rendered_token_conversation_and_a_failed_call(
     """When the client re-renders earlier turns, the pieces do not line up: the conversation is
     the turns of the last call's whole decoded prompt and its answer; the spans still show
     every call."""
+    from trace_proxy.text.token2text import Token2Text, Tokenizers, decoder_for
+    from trace_proxy.text.toolparsers import get_parser
     from trace_proxy.trajectories.record import (
         CallError,
         GenerateCall,
@@ -480,8 +482,6 @@ def test_a_re_rendered_token_conversation_and_a_failed_call(
         RolloutKey,
         Trajectory,
     )
-    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
-    from trace_proxy.trajectories.toolparsers import get_parser
 
     encode = qwen_tokenizer.encode
     prompt = encode("<|im_start|>user\nWeather in Oslo?<|im_end|>\n<|im_start|>assistant\n")
@@ -606,6 +606,7 @@ def test_a_user_turn_a_later_prompt_adds_after_tool_results_is_a_message(
     system + user + tools; P2 = P1 + R1 + the tool's response; P3 = P2 + R2 + the user's next
     question. The trace's conversation holds every turn, the question included, and is the
     SFT export's row for the same record (one reading of decoded text for both)."""
+    from trace_proxy.text.token2text import Token2Text, Tokenizers, decoder_for
     from trace_proxy.trajectories.prompts import share_prefixes
     from trace_proxy.trajectories.record import (
         GenerateCall,
@@ -615,7 +616,6 @@ def test_a_user_turn_a_later_prompt_adds_after_tool_results_is_a_message(
         Trajectory,
         dumps,
     )
-    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
 
     french = "Thanks! Now say it once more in French…"
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]

@@ -28,7 +28,8 @@ from trace_proxy.processes.capture import CaptureProcess
 from trace_proxy.show import show
 from trace_proxy.store.restarts import rejoined
 from trace_proxy.ui.index import StoreIndex
-from trace_proxy.ui.server import Viewer, trajectory_url
+from trace_proxy.ui.server import Viewer
+from trace_proxy.ui.urls import trajectory_url
 
 GUARD = 60
 SPLIT = 0  # the sample whose trajectory the kill splits (keyed by step, sample and rollout)

@@ -35,7 +35,7 @@ import pytest
 from support.proxies import HeldLoader, release_as_stop_begins, running_proxy, trajectories
 
 from trace_proxy.config import Settings
-from trace_proxy.processes import recorder as recorder_module
+from trace_proxy.processes import text_path
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.trajectories.prompts import expand_prompts
 
@@ -179,7 +179,7 @@ async def test_skyrl_train_from_the_proxy_s_first_seconds(
     loading all along (held until the stop begins; capture in the proxy's process, where the
     test can hold it): each rollout is one two-turn trajectory all the same, none ambiguous."""
     loader = HeldLoader()
-    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    monkeypatch.setattr(text_path, "load_configured", loader)
     model_dir = real_vllm.model_dir
     store = tmp_path / "store"
     settings = dataclasses.replace(

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from openai import AsyncOpenAI
 from support.proxies import running_proxy, trajectories
 
-from trace_proxy.trajectories.drift import codec_for
-from trace_proxy.trajectories.token2text import load_tokenizer
+from trace_proxy.text.drift import codec_for
+from trace_proxy.text.token2text import load_tokenizer
 
 if TYPE_CHECKING:
     from .conftest import RealServer

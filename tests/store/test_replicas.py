@@ -18,7 +18,8 @@ from support.proxies import running_proxy
 from trace_proxy.show import show
 from trace_proxy.store.replicas import store_roots
 from trace_proxy.ui.index import StoreIndex
-from trace_proxy.ui.server import Viewer, trajectory_url
+from trace_proxy.ui.server import Viewer
+from trace_proxy.ui.urls import trajectory_url
 
 FAST = {"capture_mode": "inline", "export_mode": "inline"}
 

@@ -21,7 +21,7 @@ from trace_proxy.exporters.pipeline import ExportPipeline
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolWriter
 from trace_proxy.metrics import ExportMetrics, Metrics, exposition
-from trace_proxy.processes import recorder as recorder_module
+from trace_proxy.processes import text_path
 from trace_proxy.proxy.service import ProxyService
 from trace_proxy.store.readers import iter_records
 
@@ -31,11 +31,11 @@ HOLD_GUARD = 60.0  # seconds: a failure bound, not a synchronisation
 class HeldLoader:
     """`load_configured` (the `--tokenizer` loading of a proxy in this process), held until
     `release`: the tokenizer is surely loading meanwhile. Patch it in with
-    `monkeypatch.setattr(recorder_module, "load_configured", HeldLoader())`."""
+    `monkeypatch.setattr(text_path, "load_configured", HeldLoader())`."""
 
     def __init__(self) -> None:
         self.released = threading.Event()
-        self.real = recorder_module.load_configured
+        self.real = text_path.load_configured
 
     def __call__(self, sources: list[str], skip_special_tokens: bool) -> Any:
         if not self.released.wait(HOLD_GUARD):

@@ -28,10 +28,10 @@ from support.proxies import running_proxy, trajectories
 
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
 from trace_proxy.show import show
-from trace_proxy.trajectories.drift import Codec, codec_for, prefix_drift, roundtrip_drift
+from trace_proxy.text.drift import Codec, codec_for, prefix_drift, roundtrip_drift
+from trace_proxy.text.token2text import Token2Text, load_configured
+from trace_proxy.text.toolparsers import get_parser
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, RolloutKey, Trajectory
-from trace_proxy.trajectories.token2text import Token2Text, load_configured
-from trace_proxy.trajectories.toolparsers import get_parser
 from trace_proxy.ui.index import StoreIndex
 from trace_proxy.ui.server import Viewer
 

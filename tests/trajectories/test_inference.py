@@ -164,7 +164,7 @@ def _text_group(a: Assembler, first: list[int], replies: list[str]) -> None:
 
 
 def test_a_text_only_continuation_goes_to_the_rollout_whose_reply_it_carries() -> None:
-    from trace_proxy.trajectories.token2text import Tokenizers
+    from trace_proxy.text.token2text import Tokenizers
 
     tokenizers = Tokenizers()
     tokenizers.add(None, Words.decode)

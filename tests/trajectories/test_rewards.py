@@ -15,10 +15,9 @@ from support.stores import annotation, append, run_dir, step_file, trajectory
 
 from trace_proxy.client import RewardRejected, post_reward
 from trace_proxy.show import show
-from trace_proxy.store.annotations import merged_outcome
 from trace_proxy.store.readers import iter_records
 from trace_proxy.trajectories.record import RolloutKey, Trajectory
-from trace_proxy.trajectories.rewards import Outcome, apply
+from trace_proxy.trajectories.rewards import Outcome, apply, merged_outcome
 from trace_proxy.ui.index import StoreIndex
 
 

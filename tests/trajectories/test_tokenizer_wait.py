@@ -29,10 +29,10 @@ from support.proxies import (
 from trace_proxy.capture import stage as stage_module
 from trace_proxy.config import Settings
 from trace_proxy.demo.tokenizer import ensure_qwen_tokenizer
-from trace_proxy.processes import recorder as recorder_module
+from trace_proxy.processes import text_path
 from trace_proxy.proxy.service import ProxyService
+from trace_proxy.text.token2text import TokenizerError
 from trace_proxy.trajectories.prompts import expand_prompts
-from trace_proxy.trajectories.token2text import TokenizerError
 
 GUARD = 60.0  # seconds: a failure bound, not a synchronisation
 FIRST = "Question: what is the capital of France? Answer briefly."
@@ -102,7 +102,7 @@ async def test_continuations_wait_for_the_loading_tokenizer(
     tmp_path: Path, qwen_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, token2text: bool
 ) -> None:
     loader = HeldLoader()
-    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    monkeypatch.setattr(text_path, "load_configured", loader)
     upstream = TextOnlyVLLM()
     async with scripted_upstream(upstream.handle) as up:
         settings = dataclasses.replace(
@@ -145,7 +145,7 @@ async def test_the_wait_is_bounded_and_what_stays_undecided_is_marked(
     """A tokenizer that does not come in time: the calls that waited are placed as ambiguous
     (never attached to a guess), and counted."""
     loader = HeldLoader()
-    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    monkeypatch.setattr(text_path, "load_configured", loader)
     monkeypatch.setattr(stage_module, "DECODER_WAIT", 0.5)
     upstream = TextOnlyVLLM()
     async with scripted_upstream(upstream.handle) as up:
@@ -283,7 +283,7 @@ async def test_a_batched_group_sent_while_the_tokenizer_loads_is_told_apart_at_s
     export_mode: str,
 ) -> None:
     loader = HeldLoader()
-    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    monkeypatch.setattr(text_path, "load_configured", loader)
     async with scripted_upstream(BatchedTextVLLM().handle) as up:
         settings = dataclasses.replace(
             Settings(), upstream=[up], port=0, admin_port=0, output=tmp_path,
@@ -332,7 +332,7 @@ async def test_a_stop_waits_for_the_loading_tokenizer_within_its_grace(
     process whose proxy is gone, which has half the grace to parse), then is placed as
     ambiguous, and the calls queued behind it are parsed, not counted dropped."""
     loader = HeldLoader()
-    monkeypatch.setattr(recorder_module, "load_configured", loader)
+    monkeypatch.setattr(text_path, "load_configured", loader)
     async with scripted_upstream(BatchedTextVLLM().handle) as up:
         settings = dataclasses.replace(
             Settings(), upstream=[up], port=0, admin_port=0, output=tmp_path,

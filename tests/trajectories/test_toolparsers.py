@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from trace_proxy.trajectories.toolparsers import (
+from trace_proxy.text.toolparsers import (
     DEFAULT_PARSER,
     PARSERS,
     ParsedResponse,

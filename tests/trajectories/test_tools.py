@@ -100,9 +100,9 @@ async def test_http_tool_server_calls_are_spans_of_their_trajectory(
 def test_text_tool_spans_from_token_ids_even_when_the_turn_is_re_rendered(
     qwen_tokenizer: Any,
 ) -> None:
+    from trace_proxy.text.token2text import Token2Text, Tokenizers, decoder_for
+    from trace_proxy.text.toolparsers import get_parser
     from trace_proxy.trajectories.record import GenerateCall, Output, Prompt, RolloutKey, Trajectory
-    from trace_proxy.trajectories.token2text import Token2Text, Tokenizers, decoder_for
-    from trace_proxy.trajectories.toolparsers import get_parser
 
     encode = qwen_tokenizer.encode
     prompt = encode(

@@ -4,6 +4,7 @@ the stores, and only the viewer's own address is answered."""
 from __future__ import annotations
 
 import html
+import pkgutil
 import re
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,15 +13,16 @@ from urllib.parse import quote
 
 import aiohttp
 import pytest
+from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from support import version_workload
 from support.proxies import running_proxy, trajectories
 from support.stores import annotation, append, call, run_dir, step_file, trajectory
 
 from trace_proxy.store.names import store_name
-from trace_proxy.ui import views
+from trace_proxy.ui import pages, views
 from trace_proxy.ui.index import StoreIndex
-from trace_proxy.ui.server import Viewer, is_loopback
+from trace_proxy.ui.server import PAGES, Viewer, is_loopback
 
 EVIL = '<script>alert("x")</script><img src=x onerror=alert(1)>'
 EVIL_PROJECT = f"p{EVIL}"
@@ -132,6 +134,21 @@ async def test_only_the_served_address_is_answered(
     assert (await client.get("/", headers={"Host": f"localhost:{port}"})).status == 200
     assert all(is_loopback(h) for h in ("127.0.0.1", "::1", "[::1]", "localhost", "127.8.0.1"))
     assert not any(is_loopback(h) for h in ("0.0.0.0", "::", "192.168.1.2", "example.com"))
+
+
+def test_every_page_family_is_served_and_attaches_its_routes(tmp_path: Path) -> None:
+    """A page family is a module of `ui/pages/` that adds its own routes: one the app left
+    out would answer nothing."""
+    found = {f"{pages.__name__}.{m.name}" for m in pkgutil.iter_modules(pages.__path__)}
+    assert {family.__name__ for family in PAGES} == found
+    viewer = Viewer(StoreIndex([tmp_path]))
+    try:
+        for family in PAGES:
+            app = web.Application()
+            family.attach(app, viewer)
+            assert app.router.routes(), family.__name__
+    finally:
+        viewer.text.close()
 
 
 async def test_step_filters_sort_and_page(tmp_path: Path) -> None:

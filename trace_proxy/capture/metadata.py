@@ -16,7 +16,7 @@ falls through to the next source.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 from urllib.parse import unquote
 
@@ -27,6 +27,7 @@ from trace_proxy.trajectories.keys import (
     PARSERS,
     KeyHints,
     MappingRule,
+    parse_mapping,
 )
 
 BAGGAGE_PREFIX = "rollout."
@@ -75,6 +76,11 @@ class MetadataResolver:
         self._body_rules = [r for r in rules if r.source == "body"]
         self.path_rules = [r for r in rules if r.source == "path"]
         self._path_by_text = {r.text: r for r in self.path_rules}
+
+    @classmethod
+    def of(cls, rules: Sequence[str]) -> MetadataResolver:
+        """A resolver for `--map` rules as the options give them."""
+        return cls([parse_mapping(rule) for rule in rules])
 
     def map_path(self, target: str) -> tuple[str, str | None, list[tuple[str, str]]]:
         """`path:` rules on a request target (path and query): the target to forward, the

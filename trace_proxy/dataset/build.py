@@ -19,8 +19,8 @@ from trace_proxy.dataset.reading import Selection, Tally, step_files, step_traje
 from trace_proxy.dataset.rl import IdsFromTokenizer, rl_rows
 from trace_proxy.dataset.sft import decode_missing, sft_row
 from trace_proxy.dataset.writer import ParquetParts, prepare_directory
-from trace_proxy.trajectories.token2text import decoder_for
-from trace_proxy.trajectories.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
+from trace_proxy.text.token2text import decoder_for
+from trace_proxy.text.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
 
 NO_MESSAGES = (
     "trajectories without text for messages (null; recorded without a tokenizer: --tokenizer "

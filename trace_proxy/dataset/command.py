@@ -99,8 +99,8 @@ def run_export_command(args: dict[str, Any]) -> int:
     from trace_proxy.dataset.reading import Selection, SelectionError, StepRange
     from trace_proxy.exporters.leftovers import leftovers, notice
     from trace_proxy.logtext import printable
-    from trace_proxy.trajectories.token2text import TokenizerError, load_tokenizer
-    from trace_proxy.trajectories.toolparsers import get_parser
+    from trace_proxy.text.token2text import TokenizerError, load_tokenizer
+    from trace_proxy.text.toolparsers import get_parser
 
     if args["rows_per_file"] < 1:
         return _error("--rows-per-file must be at least 1")

@@ -2,7 +2,7 @@
 
 Chat trajectories say it outright: the last call's whole prompt (prefix sharing undone with
 `expand_prompts`), whose `role: tool` messages hold the earlier tool results, then that call's
-answer. Token-in trajectories say it in decoded text, read as `trajectories.conversation`
+answer. Token-in trajectories say it in decoded text, read as `text.conversation`
 reads it for every reader (every turn each prompt adds between two answers, from the chat
 template's markers where the tool parser knows them, else one `user` message marked
 `unparsed`), so the row's messages are the ones the trace backends show. A trajectory with no
@@ -16,15 +16,15 @@ from collections.abc import Callable
 from typing import Any, TypeGuard
 
 from trace_proxy.dataset.columns import key_columns, text_or_none
-from trace_proxy.trajectories.conversation import (
+from trace_proxy.text.conversation import (
     Message,
     arguments_text,
     first_output,
     message,
     token_conversation,
 )
+from trace_proxy.text.toolparsers import ToolCallParser
 from trace_proxy.trajectories.prompts import expand_prompts, transcript_of
-from trace_proxy.trajectories.toolparsers import ToolCallParser
 
 
 def sft_row(record: dict[str, Any], parser: ToolCallParser) -> dict[str, Any]:

@@ -5,18 +5,19 @@ slow or dead backend only falls behind on disk and never holds up another. A lan
 batch, has the processors (token2text) enrich it — once for all lanes that read the same
 records, through a small shared cache — exports it, and moves its cursor past it.
 
-A backend that writes spool lines as they are (jsonl: `writes_spooled_lines`) gets trajectories
-with only their head decoded while no processor would change them (token2text without a
-tokenizer, or none configured): decoding a whole trajectory and encoding it again cost more
-than writing it.
+A backend that writes spool lines as they are (jsonl: `Capabilities.writes_spooled_lines`) gets
+trajectories with only their head decoded while no processor would change them (each says so:
+`Processor.inactive`; token2text without a tokenizer, or none configured): decoding a whole
+trajectory and encoding it again cost more than writing it. What a backend can do is read from
+its declared `capabilities` (`base.py`), never probed.
 
 Failures: a backend that raises is retried with exponential backoff (capped), for as long as it
 takes; its records wait in the spool, within the spool's disk budget. A record a backend
 rejects for good (`ExportRejected`, or a conversion bug: TypeError, ValueError, KeyError,
 AttributeError) is dropped and counted (`rejected`), after its batch was retried record by
 record so the others still go out. Before a batch is exported its range is written to the
-cursor as pending; after a crash, a backend that can tell (`exported_ids`) skips the records of
-that range it already has, so a replay does not duplicate them.
+cursor as pending; after a crash, a backend that can tell (`tells_exported`) skips the records
+of that range it already has, so a replay does not duplicate them.
 
 One runner exports a spool directory at a time: `start` takes its export lock, waiting a bounded
 time for a leftover (the export process of a proxy that was killed, finishing), and only then
@@ -73,11 +74,10 @@ class _Lane:
     ) -> None:
         self.exporter = exporter
         self.name = exporter.name
-        self.spooled_lines = bool(getattr(exporter, "writes_spooled_lines", False))
+        self.capabilities = exporter.capabilities
+        self.spooled_lines = self.capabilities.writes_spooled_lines
         self.export: Callable[[list[Any]], None] = (
-            getattr(exporter, "export_lines", exporter.export)
-            if self.spooled_lines
-            else exporter.export
+            exporter.export_lines if self.spooled_lines else exporter.export
         )
         self.thread = self.new_thread(initializer)
         self.reader = SpoolReader(directory)
@@ -135,7 +135,7 @@ class _Processed:
     @property
     def inactive(self) -> bool:
         """No processor would change a record now (each says so: `inactive`)."""
-        return all(getattr(p, "inactive", False) for p in self.processors)
+        return all(p.inactive for p in self.processors)
 
     def heads(self, batch: list[tuple[int, bytes]]) -> tuple[Numbered, int]:
         """The batch for a backend that writes spooled lines, while `inactive`: trajectories
@@ -152,10 +152,9 @@ class _Processed:
                 found.append((seq, loads(payload)))
             except ValueError:
                 bad += 1
-        for processor in self.processors:  # what they would have counted as skipped
-            passed_over = getattr(processor, "passed_over", None)
-            if passed_over is not None and trajectories:
-                passed_over(trajectories)
+        if trajectories:
+            for processor in self.processors:  # what they would have counted as skipped
+                processor.passed_over(trajectories)
         return found, bad
 
     def _process(self, records: list[Record]) -> None:
@@ -393,13 +392,12 @@ class ExportRunner:
 
 def _not_yet_exported(lane: _Lane, records: Numbered) -> Numbered:
     """After a crash: drop the records of the pending range that the backend already has."""
-    check = getattr(lane.exporter, "exported_ids", None)
     until = lane.replay_until or 0
     pending = [r for seq, r in records if seq < until and isinstance(r, Trajectory)]
-    if check is None or not pending:
+    if not lane.capabilities.tells_exported or not pending:
         return records
     try:
-        present = check(pending)
+        present = lane.exporter.exported_ids(pending)
     except Exception:
         log.exception("backend %s cannot tell what it already has; replaying", lane.name)
         return records

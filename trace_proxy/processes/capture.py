@@ -58,7 +58,8 @@ from trace_proxy.metrics import Metrics, RelayedMetrics
 from trace_proxy.processes.helper import Helper, Started, receive_payload, run_helper
 from trace_proxy.processes.lifeline import Lifeline
 from trace_proxy.processes.recorder import Recorder
-from trace_proxy.trajectories.keys import KeyHints, parse_mapping
+from trace_proxy.text.token2text import TokenizerError
+from trace_proxy.trajectories.keys import KeyHints
 from trace_proxy.trajectories.ledger import Custody, Unsettled
 from trace_proxy.trajectories.rewards import RewardError
 from trace_proxy.trajectories.sampler import (
@@ -67,7 +68,6 @@ from trace_proxy.trajectories.sampler import (
     parse_decision,
     sampler_of,
 )
-from trace_proxy.trajectories.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,8 @@ class CaptureProcess(Helper):
     name = "capture process"
     restart_delay = RESTART_DELAY
 
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, settings: Settings, metrics: Metrics, resolver: MetadataResolver) -> None:
+        """`resolver`: the forwarder's, for telling a refused sample's calls apart."""
         self._max_buffered = settings.capture_queue_bytes // 2
         super().__init__(
             __name__, settings, buffer_bytes=min(SOCKET_BUFFER, self._max_buffered // 4)
@@ -105,7 +106,7 @@ class CaptureProcess(Helper):
         # Frames of this loop iteration's exchanges, written together by `_write_pending`.
         self._pending: list[bytes] = []
         self._pending_bytes = 0
-        self._resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
+        self._resolver = resolver
         self._refused: OrderedDict[tuple[Any, ...], None] = OrderedDict()  # as the child said
         # Steps decided by whoever saw their batch (`give_samples`), told again to a new child.
         self._decisions: OrderedDict[tuple[str, int, bool], StepDecision] = OrderedDict()
@@ -208,7 +209,7 @@ class CaptureProcess(Helper):
             checks.update(self._child_checks)
         else:
             checks["export"] = checks["spool"] = "waiting for the capture process"
-            if self.settings.token2text or self.settings.tokenizer:
+            if self.settings.uses_tokenizers:
                 checks["tokenizer"] = "waiting for the capture process"
         return checks
 

@@ -36,7 +36,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import orjson
 from prometheus_client import generate_latest
 
@@ -56,9 +55,8 @@ from trace_proxy.processes.helper import (
     run_helper,
 )
 from trace_proxy.processes.lifeline import Lifeline, leftover_wait
-from trace_proxy.trajectories.discovery import discover_tokenizers
-from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
-from trace_proxy.trajectories.toolparsers import get_parser
+from trace_proxy.processes.text_path import add_token2text, discover_served, needs_discovery
+from trace_proxy.text.token2text import Token2Text, TokenizerError
 
 log = logging.getLogger(__name__)
 
@@ -66,16 +64,16 @@ METRICS_EVERY = 1.0
 RESTART_DELAY = 1.0
 
 
-async def create_runner(
+def export_runner(
     settings: Settings,
     spool_dir: Path,
     metrics: ExportMetrics,
     exporters: list[Exporter],
     thread_initializer: Callable[[], None] | None = None,
-) -> tuple[ExportRunner, Token2Text | None]:
-    """The runner for these settings, with token2text when asked (TokenizerError if a
-    configured tokenizer cannot be loaded)."""
-    runner = ExportRunner(
+) -> ExportRunner:
+    """The runner for these settings, in this process or the export process (token2text is
+    added by `text_path.add_token2text`)."""
+    return ExportRunner(
         spool_dir,
         exporters,
         metrics,
@@ -83,20 +81,6 @@ async def create_runner(
         lock_wait=leftover_wait(settings.shutdown_grace),
         proxy=proxy_pid(),
     )
-    token2text = None
-    if settings.token2text:
-        tokenizers = await asyncio.to_thread(
-            load_configured, settings.tokenizer, settings.skip_special_tokens
-        )
-        token2text = Token2Text(
-            tokenizers,
-            get_parser(settings.tool_parser),
-            on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
-            on_drift=lambda kind: metrics.drift_calls.labels(kind).inc(),
-            check_drift=settings.drift_check,
-        )
-        runner.add_processor(token2text)
-    return runner, token2text
 
 
 # --- the proxy's side ----------------------------------------------------------------------
@@ -232,7 +216,8 @@ async def _serve(started: Started, life: Lifeline) -> None:
     metrics = ExportMetrics()
     try:  # SDK imports and tokenizers load in the working threads, at their priority
         exporters = await loop.run_in_executor(None, create_exporters, settings)
-        runner, token2text = await create_runner(settings, spool_dir, metrics, exporters, lower)
+        runner = export_runner(settings, spool_dir, metrics, exporters, lower)
+        token2text = await add_token2text(settings, runner, metrics)
         await runner.start(lambda detail: send({"op": "starting", "detail": detail}))
     except (ConfigError, TokenizerError, SpoolBusy) as exc:
         send({"op": "error", "kind": "tokenizer" if isinstance(exc, TokenizerError) else "config",
@@ -245,9 +230,8 @@ async def _serve(started: Started, life: Lifeline) -> None:
     report = _Report(metrics, send)
     runner.before_commit = report.now
     tasks = {loop.create_task(report.every(METRICS_EVERY))}
-    session = aiohttp.ClientSession()
-    if token2text is not None and token2text.tokenizers.empty:
-        tasks.add(loop.create_task(_discover(settings, session, token2text, send)))
+    if needs_discovery(token2text):
+        tasks.add(loop.create_task(_discover(settings, token2text, send)))
     else:
         send({"op": "discovered"})
     hurry = functools.partial(_hurry, runner, settings.export_priority)
@@ -267,7 +251,6 @@ async def _serve(started: Started, life: Lifeline) -> None:
             task.cancel()
         _hurry(runner, settings.export_priority)
         await runner.close(timeout)
-        await session.close()
         send({"op": "metrics", "text": generate_latest(metrics.registry).decode()})
         send({"op": "stopped"})
         with contextlib.suppress(ConnectionError):
@@ -342,12 +325,8 @@ class _Report:
             await asyncio.sleep(seconds)
 
 
-async def _discover(
-    settings: Settings, session: aiohttp.ClientSession, token2text: Token2Text, send: Any
-) -> None:
-    await discover_tokenizers(
-        session, settings.upstream, token2text.tokenizers, settings.skip_special_tokens
-    )
+async def _discover(settings: Settings, token2text: Token2Text, send: Any) -> None:
+    await discover_served(settings, token2text.tokenizers)
     send({"op": "discovered"})
 
 

@@ -38,7 +38,7 @@ from trace_proxy.config import ConfigError
 from trace_proxy.logtext import configure_logging
 from trace_proxy.processes import lifeline
 from trace_proxy.processes.lifeline import TERM_BOUND, Lifeline
-from trace_proxy.trajectories.token2text import TokenizerError
+from trace_proxy.text.token2text import TokenizerError
 
 log = logging.getLogger(__name__)
 NICENESS = 19  # priority low, or idle where SCHED_IDLE is missing

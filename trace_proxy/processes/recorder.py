@@ -15,8 +15,6 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
-import aiohttp
-
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.metadata import MetadataResolver
 from trace_proxy.capture.overflow import Overflow
@@ -28,19 +26,23 @@ from trace_proxy.exporters.pipeline import ExportPipeline, Exports
 from trace_proxy.exporters.runner import ExportRunner
 from trace_proxy.exporters.spool import SpoolBusy, SpoolWriter
 from trace_proxy.metrics import ExportMetrics, Metrics, children
-from trace_proxy.processes.export import ExportProcess
+from trace_proxy.processes.export import ExportProcess, export_runner
 from trace_proxy.processes.helper import proxy_pid
 from trace_proxy.processes.lifeline import leftover_wait
+from trace_proxy.processes.text_path import (
+    add_token2text,
+    discover_served,
+    load_tokenizers,
+    needs_discovery,
+)
+from trace_proxy.store.names import store_name_notes
+from trace_proxy.text.token2text import Token2Text, TokenizerError
 from trace_proxy.trajectories.assembler import Assembler
-from trace_proxy.trajectories.discovery import discover_tokenizers
 from trace_proxy.trajectories.gate import SamplingGate
 from trace_proxy.trajectories.inference import TrafficInference
-from trace_proxy.trajectories.keys import parse_mapping
 from trace_proxy.trajectories.ledger import Ledger
 from trace_proxy.trajectories.rewards import Outcome, parse_outcome
 from trace_proxy.trajectories.sampler import StepDecision, sampler_of
-from trace_proxy.trajectories.token2text import Token2Text, TokenizerError, load_configured
-from trace_proxy.trajectories.toolparsers import get_parser
 
 
 class Recorder:
@@ -52,10 +54,12 @@ class Recorder:
         *,
         queue_bytes: int | None = None,
         overflow: bool = False,
+        resolver: MetadataResolver | None = None,
     ) -> None:
         """Raises ConfigError when the spool directory cannot be used. `overflow`: exchanges
         the capture queue cannot hold wait on disk (see overflow.py) instead of in the
-        forwarder's buffer (the capture process)."""
+        forwarder's buffer (the capture process). `resolver`: the proxy's, when it runs in the
+        proxy's process (else one is made from `--map`)."""
         self.settings = settings
         self.metrics = metrics
         self._inline: ExportRunner | None = None
@@ -63,7 +67,7 @@ class Recorder:
         self._starting: asyncio.Task[None] | None = None
         self.failure: asyncio.Future[BaseException] | None = None  # made in start()
         self.on_change: Callable[[], None] | None = None
-        self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
+        self.resolver = resolver or MetadataResolver.of(settings.map)
         self.ledger = Ledger()  # where each exchange is, for the proxy if this process dies
         self.pipeline = self._export_pipeline(exporters)
         closed = children(metrics.trajectories_closed)
@@ -87,6 +91,7 @@ class Recorder:
             on_close=lambda reason: closed(reason).inc(),
             inference=self.inference,
             gate=self.gate,
+            key_notes=store_name_notes,
         )
         self._annotating: dict[asyncio.Future[None], Outcome] = {}  # rewards waiting to be placed
         self.capture = CaptureStage(
@@ -106,7 +111,6 @@ class Recorder:
         self.token2text: Token2Text | None = None  # inline exporting only
         self.tokenizer_discovery: asyncio.Future[None] | None = None  # once upstreams answered
         self._discovering: asyncio.Task[None] | None = None
-        self._session: aiohttp.ClientSession | None = None
         self._inference_tokenizers: asyncio.Task[None] | None = None
         # Done once --tokenizer's decoders are ready for inference (or could not be loaded).
         self.decoders: asyncio.Future[None] | None = None
@@ -115,7 +119,7 @@ class Recorder:
     def _export_pipeline(self, exporters: list[Exporter] | None) -> ExportPipeline:
         """Exporters given as objects (tests, embedding) run inline; else as configured."""
         settings = self.settings
-        spool_dir = settings.spool_dir or settings.output / ".spool"
+        spool_dir = settings.spool_path
         try:  # the lock is taken as the pipeline starts: a leftover may still hold it
             spool = SpoolWriter(
                 spool_dir,
@@ -133,12 +137,11 @@ class Recorder:
             exports.on_change = self._changed
         else:
             self._export_metrics = ExportMetrics(self.metrics.registry)
-            self._inline = ExportRunner(
+            self._inline = export_runner(
+                settings,
                 spool_dir,
-                exporters if exporters is not None else create_exporters(settings),
                 self._export_metrics,
-                lock_wait=wait,
-                proxy=proxy_pid(),
+                exporters if exporters is not None else create_exporters(settings),
             )
             exports = self._inline
         pipeline = ExportPipeline(
@@ -195,9 +198,7 @@ class Recorder:
         and reports what fails to load; else a failure here is the proxy's."""
         settings = self.settings
         try:
-            self.inference.tokenizers = await asyncio.to_thread(
-                load_configured, settings.tokenizer, settings.skip_special_tokens
-            )
+            self.inference.tokenizers = await load_tokenizers(settings)
         except TokenizerError as exc:
             self._decoders_failed = exc
             if not settings.token2text:
@@ -224,41 +225,26 @@ class Recorder:
             _chain(exports.tokenizer_discovery, self.tokenizer_discovery)
 
     async def _start_inline(self) -> None:
-        """Exporters in this process: token2text's tokenizers, then the runner."""
-        settings = self.settings
+        """Exporters in this process: token2text's tokenizers (shared with inference), then
+        the runner."""
         assert self._inline is not None
-        if not settings.token2text:
-            _settle(self.tokenizer_discovery)
-            return
-        metrics = self._export_metrics
         try:
-            tokenizers = await asyncio.to_thread(
-                load_configured, settings.tokenizer, settings.skip_special_tokens
+            self.token2text = await add_token2text(
+                self.settings, self._inline, self._export_metrics
             )
         except asyncio.CancelledError:  # a stop gave up on the exporters' start
             _settle(self.decoders)  # nothing else would load them: calls wait no longer
             raise
-        self.token2text = Token2Text(
-            tokenizers,
-            get_parser(settings.tool_parser),
-            on_skip=lambda reason: metrics.token2text_skipped.labels(reason).inc(),
-            on_drift=lambda kind: metrics.drift_calls.labels(kind).inc(),
-            check_drift=settings.drift_check,
-        )
-        self._inline.add_processor(self.token2text)
-        self.inference.tokenizers = self.token2text.tokenizers
-        _settle(self.decoders)
-        if not self.token2text.tokenizers.empty:
+        if self.token2text is None:
             _settle(self.tokenizer_discovery)
             return
-        self._session = aiohttp.ClientSession()  # discovery only, off the hot path
+        self.inference.tokenizers = self.token2text.tokenizers
+        _settle(self.decoders)
+        if not needs_discovery(self.token2text):
+            _settle(self.tokenizer_discovery)
+            return
         discovery = asyncio.get_running_loop().create_task(
-            discover_tokenizers(
-                self._session,
-                settings.upstream,
-                self.token2text.tokenizers,
-                settings.skip_special_tokens,
-            )
+            discover_served(self.settings, self.token2text.tokenizers)
         )
         self._discovering = discovery
         assert self.tokenizer_discovery is not None
@@ -382,8 +368,6 @@ class Recorder:
                 self._annotate(outcome)
         left = timeout - (loop.time() - began) if bounded else timeout
         await self.pipeline.close(max(left, 0.0))
-        if self._session is not None:
-            await self._session.close()
 
 
 def _settle(future: asyncio.Future[None] | None) -> None:

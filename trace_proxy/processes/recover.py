@@ -21,8 +21,9 @@ from trace_proxy.exporters.backends.jsonl import JsonlExporter
 from trace_proxy.exporters.leftovers import SPOOL, STORE_BACKEND
 from trace_proxy.exporters.spool import SpoolBusy, SpoolWriter, acquire, cursors
 from trace_proxy.metrics import ExportMetrics
-from trace_proxy.processes.export import create_runner
+from trace_proxy.processes.export import export_runner
 from trace_proxy.processes.lifeline import leftover_wait
+from trace_proxy.processes.text_path import add_token2text
 from trace_proxy.store.replicas import store_roots
 
 CLOSE_TIMEOUT = 60.0  # for the store's files to be closed once everything is written
@@ -63,7 +64,9 @@ async def _recover_one(store: Path, spool: Path, settings: Settings, out: TextIO
         if end <= start:
             return 0
         ours = dataclasses.replace(settings, output=store, backend=[STORE_BACKEND])
-        runner, _ = await create_runner(ours, spool, ExportMetrics(), [JsonlExporter(store)])
+        metrics = ExportMetrics()
+        runner = export_runner(ours, spool, metrics, [JsonlExporter(store)])
+        await add_token2text(ours, runner, metrics)
         await runner.start()
         runner.notify(end)
         await runner.flush(end)

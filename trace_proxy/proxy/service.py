@@ -44,10 +44,9 @@ from trace_proxy.proxy.upstreams import (
     Upstream,
     UpstreamPool,
 )
-from trace_proxy.trajectories.keys import parse_mapping
+from trace_proxy.text.token2text import check_configured
 from trace_proxy.trajectories.rewards import RewardError, parse_outcome
 from trace_proxy.trajectories.sampler import DecisionError, parse_decision
-from trace_proxy.trajectories.token2text import check_configured
 
 log = logging.getLogger(__name__)
 _Parsed = TypeVar("_Parsed")
@@ -70,12 +69,12 @@ class ProxyService:
         self.metrics = Metrics()
         self.pool = UpstreamPool(settings.upstream)
         self.registered = RegisteredUpstreams() if settings.register_upstreams else None
-        self.resolver = MetadataResolver([parse_mapping(rule) for rule in settings.map])
+        self.resolver = MetadataResolver.of(settings.map)  # the forwarder's and capture's
         self.recorder: Recorder | CaptureProcess
         if exporters is None and settings.capture_mode == "process":
-            self.recorder = CaptureProcess(settings, self.metrics)
+            self.recorder = CaptureProcess(settings, self.metrics, self.resolver)
         else:
-            self.recorder = Recorder(settings, self.metrics, exporters)
+            self.recorder = Recorder(settings, self.metrics, exporters, resolver=self.resolver)
         self.tool_routes = {
             prefix: Upstream(url)
             for prefix, _, url in (route.partition("=") for route in settings.tool_route)
@@ -151,9 +150,9 @@ class ProxyService:
         --tokenizer path that does not exist, transformers missing) or ConfigError (the
         spool directory cannot be made, or another running proxy holds it)."""
         settings = self.settings
-        if settings.token2text or settings.tokenizer:
+        if settings.uses_tokenizers:
             check_configured(settings.tokenizer)
-        spool_dir = settings.spool_dir or settings.output / ".spool"
+        spool_dir = settings.spool_path
         try:
             spool_dir.mkdir(parents=True, exist_ok=True)
             check_not_in_use(spool_dir, os.getpid())

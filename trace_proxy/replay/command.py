@@ -98,7 +98,7 @@ def run_replay_command(args: dict[str, Any]) -> int:
     from trace_proxy.config import ConfigError
     from trace_proxy.replay.selection import ReplayError, select
     from trace_proxy.replay.session import ReplayPlan, replay
-    from trace_proxy.trajectories.token2text import TokenizerError
+    from trace_proxy.text.token2text import TokenizerError
 
     try:
         plan_args = _checked(args)

@@ -2,8 +2,9 @@
 
 The record keeps what a call asked: its route, model, stream flag, sampling parameters and its
 whole prompt (messages and tools, text, or token ids; shared prefixes are expanded again). The
-request is rebuilt from exactly those, in the shape its dialect sends them: token-in calls send
-their recorded prompt ids, chat calls their messages. Request fields the record does not keep
+request is rebuilt from exactly those, in the shape its dialect sends them (the dialect's
+declared `request`, `trajectories/dialects.py`): token-in calls send their recorded prompt ids,
+chat calls their messages. Request fields the record does not keep
 (`tool_choice`, `stream_options`, `return_token_ids`, `chat_template_kwargs`, SGLang's top-level
 `return_logprob`, ...) are not sent unless given again (`extra`), and a batch request (several
 prompts in one body) is sent as one request per prompt, as it is recorded: one call each.
@@ -14,12 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from trace_proxy.trajectories.dialects import dialect_named
 from trace_proxy.trajectories.prompts import expand_prompts
-
-# vLLM's `/inference/v1/generate` fields that sit beside `sampling_params`; the record merges
-# both into `sampling`, and every other one goes back into `sampling_params`.
-GENERATE_TOP_LEVEL = frozenset({"cache_salt", "priority", "kv_transfer_params", "features"})
-MODEL_DIALECTS = frozenset({"openai.chat", "openai.completions", "vllm.generate"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,46 +67,22 @@ def _request(
     recorded = call.get("sampling")
     sampling: dict[str, Any] = recorded if isinstance(recorded, dict) else {}
     stream = call.get("stream") is True
-    body = _body(dialect, sampling, prompt)
+    declared = dialect_named(dialect)
+    if declared.request is None:
+        body: dict[str, Any] | str = (
+            f"the request was not understood when recorded (dialect {str(dialect)[:40]!r})"
+        )
+    else:
+        body = declared.request(sampling, prompt)
     if isinstance(body, str):
         unparsed = call.get("unparsed")
         if isinstance(unparsed, str):
             body = f"{body}: {unparsed[:160]}"
         return NotReplayable(index, body)
     named = model or call.get("model")
-    if isinstance(named, str) and (dialect in MODEL_DIALECTS or call.get("model") is not None):
+    if isinstance(named, str) and (declared.names_model or call.get("model") is not None):
         body = {"model": named, **body}
     if stream:  # false is every dialect's default, and what a request without it meant
         body["stream"] = True
     body.update(extra)
     return ReplayCall(index, route, body, stream)
-
-
-def _body(dialect: Any, sampling: dict[str, Any], prompt: dict[str, Any]) -> dict[str, Any] | str:
-    """The dialect's body for this prompt and these parameters, or why there is none."""
-    ids, text, messages = prompt.get("token_ids"), prompt.get("text"), prompt.get("messages")
-    if dialect == "openai.chat":
-        if not isinstance(messages, list):
-            return "no messages recorded"
-        tools = prompt.get("tools")
-        return {"messages": messages, **({"tools": tools} if tools else {}), **sampling}
-    if dialect == "openai.completions":
-        # The client's own prompt: text when it sent text (ids may be the server's echo).
-        if isinstance(text, str):
-            return {"prompt": text, **sampling}
-        if isinstance(ids, list) and ids:
-            return {"prompt": ids, **sampling}
-        return "no prompt recorded"
-    if dialect == "vllm.generate":
-        if not isinstance(ids, list) or not ids:
-            return "no prompt token ids recorded"
-        top = {k: v for k, v in sampling.items() if k in GENERATE_TOP_LEVEL}
-        params = {k: v for k, v in sampling.items() if k not in GENERATE_TOP_LEVEL}
-        return {"token_ids": ids, "sampling_params": params, **top}
-    if dialect == "sglang.generate":
-        if isinstance(ids, list) and ids:
-            return {"input_ids": ids, "sampling_params": sampling}
-        if isinstance(text, str):
-            return {"text": text, "sampling_params": sampling}
-        return "no prompt recorded"
-    return f"the request was not understood when recorded (dialect {str(dialect)[:40]!r})"

@@ -25,6 +25,10 @@ from __future__ import annotations
 import hashlib
 import string
 from collections.abc import Iterator
+from typing import Any
+
+from trace_proxy.trajectories.keys import MAX_VALUE_LEN
+from trace_proxy.trajectories.record import RolloutKey
 
 KEPT = frozenset(string.ascii_letters + string.digits + "-_.+=@")
 EMPTY = "%"
@@ -104,3 +108,16 @@ def is_safe_component(name: str) -> bool:
         and not name.startswith(".")
         and not any(c in name for c in "/\\\x00")
     )
+
+
+def store_name_notes(key: RolloutKey) -> list[dict[str, Any]]:
+    """A note for each of project and experiment whose directory in the store is not named as
+    the value (`store_name`): the key keeps the value as it was sent."""
+    notes = []
+    for field_name in ("project", "experiment"):
+        value: str = getattr(key, field_name)
+        stored = store_name(value)
+        if stored != value:
+            notes.append({"field": field_name, "source": key.sources.get(field_name, "config"),
+                          "value": value[:MAX_VALUE_LEN], "stored_as": stored})  # fmt: skip
+    return notes

@@ -81,10 +81,13 @@ class Assembler:
         step_close_grace: float = 0.0,
         defer_finishing: bool = False,
         ledger: Ledger | None = None,
+        key_notes: Callable[[RolloutKey], list[dict[str, Any]]] | None = None,
     ) -> None:
         """`defer_finishing`: closed trajectories are built, sampled and emitted later, by
         `run_pending`, in order, so a step change closing thousands of them at once can be
-        spread over many turns of the event loop instead of stalling it."""
+        spread over many turns of the event loop instead of stalling it. `key_notes`: the
+        annotations a record gets from its key as it is built (the store's names for its
+        project and experiment, `store.names.store_name_notes`)."""
         self._step_close_grace = step_close_grace
         self._defer = defer_finishing
         self._ledger = ledger if ledger is not None else Ledger()
@@ -93,6 +96,7 @@ class Assembler:
         self._closing: dict[str, OpenTrajectory] = {}
         self._inference = inference
         self._gate = gate
+        self._key_notes = key_notes
         self._emit = emit
         self._project = project
         self._experiment = experiment
@@ -509,7 +513,8 @@ class Assembler:
                 for outcome in trajectory.outcomes:
                     self._gate.annotate(outcome, key.project, key.experiment)
             return
-        built = build_trajectory(trajectory, reason)
+        notes = self._key_notes(trajectory.key) if self._key_notes is not None else None
+        built = build_trajectory(trajectory, reason, notes)
         self._ledger.hold(built, trajectory.units)
         if self._gate is not None:
             self._gate.release(built)

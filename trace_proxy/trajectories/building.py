@@ -13,8 +13,6 @@ from typing import Any
 
 import orjson
 
-from trace_proxy.store.names import store_name
-from trace_proxy.trajectories.keys import MAX_VALUE_LEN
 from trace_proxy.trajectories.prompts import MIN_SHARED, extension, share_prefixes
 from trace_proxy.trajectories.record import (
     GenerateCall,
@@ -164,7 +162,11 @@ def _check_arrival_order(calls: list[GenerateCall], extends: dict[int, IdsShared
     extends.clear()
 
 
-def build_trajectory(open_: OpenTrajectory, reason: str) -> Trajectory:
+def build_trajectory(
+    open_: OpenTrajectory, reason: str, notes: list[dict[str, Any]] | None = None
+) -> Trajectory:
+    """The record of a closed trajectory; `notes` are added to its annotations (what the
+    store says of its key's names, say)."""
     calls = sorted(open_.calls, key=lambda c: c.start)
     for index, call in enumerate(calls):
         call.index = index
@@ -212,7 +214,7 @@ def build_trajectory(open_: OpenTrajectory, reason: str) -> Trajectory:
         weight_version_max=high,
         partial_rollout=low != high,
         weight_version_latest=newer(open_.weight_version_latest, high),
-        annotations=open_.annotations + store_name_notes(open_.key),
+        annotations=open_.annotations + (notes or []),
         reward=reward,
         score=score,
         labels=labels,
@@ -227,19 +229,6 @@ def build_trajectory(open_: OpenTrajectory, reason: str) -> Trajectory:
             "calls_dropped": open_.dropped,
         },
     )
-
-
-def store_name_notes(key: RolloutKey) -> list[dict[str, Any]]:
-    """A note for each of project and experiment whose directory in the store is not named as
-    the value (`trace_proxy.store.names`): the key keeps the value as it was sent."""
-    notes = []
-    for field_name in ("project", "experiment"):
-        value: str = getattr(key, field_name)
-        stored = store_name(value)
-        if stored != value:
-            notes.append({"field": field_name, "source": key.sources.get(field_name, "config"),
-                          "value": value[:MAX_VALUE_LEN], "stored_as": stored})  # fmt: skip
-    return notes
 
 
 def _store_once(calls: list[GenerateCall]) -> None:

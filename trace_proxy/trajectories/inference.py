@@ -27,17 +27,22 @@ import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
 from trace_proxy import safejson
 from trace_proxy.trajectories.record import GenerateCall, RolloutKey, ids_list, output_text
-from trace_proxy.trajectories.token2text import Tokenizers
 
 BUCKET_ITEMS = 16  # a continuation shares its first prompt's first items
 REPLY_CHARS = 1024  # of a text-only reply, kept to tell continuations apart
 MAPPED_SOURCE = "map:"  # how a mapping rule names itself in `key.sources`
+
+
+class Decoders(Protocol):
+    """A decoder per served model, where one is known (token2text's `Tokenizers`)."""
+
+    def for_model(self, model: str | None) -> Callable[[Sequence[int]], str] | None: ...
 
 
 @dataclass
@@ -170,7 +175,7 @@ class TrafficInference:
         self,
         max_contexts: int = 100_000,
         on_evict: Callable[[], None] | None = None,
-        tokenizers: Tokenizers | None = None,
+        tokenizers: Decoders | None = None,
     ):
         """`tokenizers`: decoders for telling apart continuations of text-only replies; may
         be set (or filled) later, and may stay empty."""

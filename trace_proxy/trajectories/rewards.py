@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from trace_proxy.store.annotations import merged_outcome
 from trace_proxy.trajectories.record import RolloutKey, Trajectory
 
 TARGET_FIELDS = {
@@ -30,6 +29,7 @@ TARGET_FIELDS = {
     "trajectory_id": str,
 }
 MAX_LABELS = 64
+REPLACED = ("reward", "score")  # a value a late note gives replaces the record's
 
 
 class RewardError(ValueError):
@@ -95,6 +95,24 @@ def matches(key: RolloutKey, target: Mapping[str, Any]) -> bool:
         if actual != value:
             return False
     return True
+
+
+def merged_outcome(
+    record: Mapping[str, Any],
+    note: Mapping[str, Any],
+    value: Callable[[Any], Any] | None = None,
+) -> dict[str, Any]:
+    """`record`'s reward, score and labels once `note` is applied: each of reward and score
+    that the note gives replaces the record's, and the note's labels are added over the
+    record's, the note's winning. Notes applied in the order they were written: the latest
+    wins. `value`, when given, reads what a note gives (None: not given), for a reader that
+    takes numbers only."""
+    merged = {}
+    for name in REPLACED:
+        given = note.get(name) if value is None else value(note.get(name))
+        merged[name] = record.get(name) if given is None else given
+    merged["labels"] = {**(record.get("labels") or {}), **(note.get("labels") or {})}
+    return merged
 
 
 def apply(trajectory: Trajectory, outcome: Outcome) -> None:

@@ -29,7 +29,6 @@ from typing import Any, Protocol
 
 import orjson
 
-from trace_proxy.store.annotations import merged_outcome
 from trace_proxy.store.readers import (
     directory_value,
     group_name,
@@ -41,6 +40,7 @@ from trace_proxy.store.readers import (
 from trace_proxy.store.replicas import merged_summary, store_roots
 from trace_proxy.store.restarts import continues, identity, restart_since
 from trace_proxy.trajectories import versions
+from trace_proxy.trajectories.rewards import merged_outcome
 
 CHUNK = 8 << 20  # bytes read at a time; a longer line doubles it until the line fits
 LABELS_CAP = 512  # characters of a trajectory's labels kept in the index

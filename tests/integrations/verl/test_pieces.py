@@ -495,3 +495,41 @@ async def test_a_call_is_admitted_with_the_version_in_force_once_the_gate_opens(
     assert await admit(server) == Admission(4, rejected=False)
     assert server.reads == 3  # closed, closed (then the sync), open
     assert await admit(_GatedServer(closed=True, rejecting=True)) == Admission(3, rejected=True)
+
+
+async def test_calls_arriving_together_share_a_read_that_starts_after_each_arrived() -> None:
+    """A worker with many calls in flight asks a server once per round trip, and no call gets a
+    read that was under way before it arrived (a sync could have fallen between)."""
+    from trace_proxy.integrations.verl.admission import GateReads, admit
+
+    class Server:
+        def __init__(self) -> None:
+            self._submission_paused, self._rejecting, self.global_steps = False, False, 3
+            self.started: list[asyncio.Future[None]] = []
+
+        async def call(self, fn: Any) -> Any:
+            answered = asyncio.get_running_loop().create_future()
+            self.started.append(answered)
+            found = fn(self)  # read as the read starts
+            await answered
+            return found
+
+        @property
+        def __ray_call__(self) -> Any:
+            return type("Method", (), {"remote": staticmethod(self.call)})
+
+    server, reads = Server(), GateReads()
+    first = [asyncio.create_task(admit(server, reads, "s")) for _ in range(5)]
+    while len(server.started) < 1:
+        await asyncio.sleep(0)
+    server.global_steps = 4  # a sync completes while the first read is under way
+    later = [asyncio.create_task(admit(server, reads, "s")) for _ in range(7)]
+    await asyncio.sleep(0)
+    assert len(server.started) == 1  # the later calls wait for a read of their own
+    server.started[0].set_result(None)
+    assert [a.version for a in await asyncio.gather(*first)] == [3] * 5
+    while len(server.started) < 2:
+        await asyncio.sleep(0)
+    server.started[1].set_result(None)
+    assert [a.version for a in await asyncio.gather(*later)] == [4] * 7
+    assert len(server.started) == 2

@@ -30,17 +30,17 @@ from trace_proxy.capture.dialects.common import (
     weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.dialects import OPENAI_CHAT
 from trace_proxy.trajectories.record import GenerateCall, Output
 
-NAME = "openai.chat"
-ROUTES = ("/v1/chat/completions",)
+DIALECT = OPENAI_CHAT  # its name, routes and prompt ids field: trajectories/dialects.py
 
 
 def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     messages = request.get("messages")
     if not isinstance(messages, list):
         raise ParseError("request has no 'messages' list")
-    call = new_call(ex, NAME, request)
+    call = new_call(ex, DIALECT.name, request)
     call.prompt.messages = messages
     call.prompt.tools = request.get("tools") or None
     try:

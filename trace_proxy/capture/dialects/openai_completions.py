@@ -30,11 +30,10 @@ from trace_proxy.capture.dialects.common import (
     weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.dialects import OPENAI_COMPLETIONS
 from trace_proxy.trajectories.record import GenerateCall, Output, Prompt
 
-NAME = "openai.completions"
-ROUTES = ("/v1/completions",)
-PROMPT_IDS = "prompt"  # the request field that may hold the prompt's token ids
+DIALECT = OPENAI_COMPLETIONS  # its name, routes and prompt ids field: trajectories/dialects.py
 
 
 def _prompts(request: Mapping[str, Any]) -> list[Prompt]:
@@ -63,7 +62,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     n = n_requested if isinstance(n_requested, int) and n_requested > 0 else 1
     calls = []
     for prompt in prompts:
-        call = new_call(ex, NAME, request)
+        call = new_call(ex, DIALECT.name, request)
         call.prompt = prompt
         calls.append(call)
     try:

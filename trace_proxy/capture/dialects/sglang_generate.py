@@ -30,11 +30,10 @@ from trace_proxy.capture.dialects.common import (
     unparsed_response,
 )
 from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.dialects import SGLANG_GENERATE
 from trace_proxy.trajectories.record import CallError, Output, Prompt
 
-NAME = "sglang.generate"
-ROUTES = ("/generate",)
-PROMPT_IDS = "input_ids"  # the request field that may hold the prompt's token ids
+DIALECT = SGLANG_GENERATE  # its name, routes and prompt ids field: trajectories/dialects.py
 
 
 def _prompts(request: Mapping[str, Any]) -> list[Prompt]:
@@ -71,7 +70,7 @@ def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
         params = _item(params_all, i)
         body = dict(request)
         body["rid"] = _item(request.get("rid"), i)
-        call = new_call(ex, NAME, request)
+        call = new_call(ex, DIALECT.name, request)
         call.sampling = dict(params) if isinstance(params, dict) else {}
         call.prompt = prompt
         parsed.append(ParsedCall(call, body))

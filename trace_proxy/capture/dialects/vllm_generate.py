@@ -29,18 +29,17 @@ from trace_proxy.capture.dialects.common import (
     weight_version_of,
 )
 from trace_proxy.capture.exchange import Exchange
+from trace_proxy.trajectories.dialects import VLLM_GENERATE
 from trace_proxy.trajectories.record import GenerateCall, Output
 
-NAME = "vllm.generate"
-ROUTES = ("/inference/v1/generate",)
-PROMPT_IDS = "token_ids"  # the request field that may hold the prompt's token ids
+DIALECT = VLLM_GENERATE  # its name, routes and prompt ids field: trajectories/dialects.py
 
 
 def parse(ex: Exchange, request: Mapping[str, Any]) -> list[ParsedCall]:
     token_ids = as_prompt_ids(request.get("token_ids"))
     if token_ids is None:
         raise ParseError("request has no 'token_ids' list")
-    call = new_call(ex, NAME, request)
+    call = new_call(ex, DIALECT.name, request)
     params = request.get("sampling_params")
     if isinstance(params, dict):
         call.sampling.update(params)

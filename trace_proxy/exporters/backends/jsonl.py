@@ -15,6 +15,7 @@ from pathlib import Path
 
 import orjson
 
+from trace_proxy.exporters.base import Capabilities, Exporter
 from trace_proxy.store.layout import StoreDirectories, record_names, write_all
 from trace_proxy.trajectories.record import (
     Record,
@@ -26,9 +27,10 @@ from trace_proxy.trajectories.record import (
 MAX_OPEN_FILES = 32
 
 
-class JsonlExporter:
+class JsonlExporter(Exporter):
     name = "jsonl"
-    writes_spooled_lines = True  # a spool line is the store's line: see `export_lines`
+    # a spool line is the store's line (`export_lines`); a line written is found again
+    capabilities = Capabilities(writes_spooled_lines=True, tells_exported=True)
 
     def __init__(self, output: Path) -> None:
         self.output = Path(output)

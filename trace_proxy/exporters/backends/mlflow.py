@@ -57,7 +57,7 @@ from trace_proxy.exporters.backends.mlflow_names import (
     literal,
     substitute,
 )
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Exporter, ExportRejected
 from trace_proxy.store.names import digest
 from trace_proxy.trajectories.record import Annotation, Record, StepSummary, Trajectory
 
@@ -101,7 +101,7 @@ MAX_RUN_NAME = 250  # the run table's name column (PostgreSQL and MySQL refuse l
 REMEMBERED = 4096
 
 
-class MlflowExporter:
+class MlflowExporter(Exporter):
     """Exports trajectories to MLflow; every call happens in the pipeline's worker thread."""
 
     name = "mlflow"

@@ -19,10 +19,15 @@ from mlflow.entities import (
 from trace_proxy.exporters.backends.mlflow_names import (
     label_tag,
 )
-from trace_proxy.exporters.backends.spans import Generation, Tool, TrajectorySpans, trajectory_spans
+from trace_proxy.exporters.backends.spans import (
+    ROOT_NAME,
+    Generation,
+    Tool,
+    TrajectorySpans,
+    trajectory_spans,
+)
 from trace_proxy.trajectories.record import Trajectory, dumps
 
-ROOT_SPAN = "agent_loop"
 PREVIEW_CHARS = 1000  # MLflow's own request/response preview length
 HEX32 = re.compile(r"[0-9a-f]{32}")
 
@@ -125,7 +130,7 @@ def _llm_inputs(call: Generation, prompt_ids: list[int] | None) -> dict[str, Any
 
 
 def _llm_outputs(call: Generation) -> dict[str, Any]:
-    chat = call.dialect == "openai.chat"
+    chat = call.declared.chat
     choices = []
     for out in call.outputs:
         choice: dict[str, Any] = {"index": out.get("index")}
@@ -322,13 +327,13 @@ def render(trajectory: Trajectory, run_id: str | None) -> TraceRecord:
     )
     error = root.status == "error"
     spans.insert(0, _SpanData(
-        name=ROOT_SPAN, span_type=SpanType.AGENT, part=root.id, root=True,
+        name=ROOT_NAME, span_type=SpanType.AGENT, part=root.id, root=True,
         start=root.start, end=root.end, inputs=root_inputs, outputs=root_outputs,
         attributes=root_attributes, error=_root_error(view) if error else None,
     ))  # fmt: skip
 
     # verl's tags, as verl writes them (str() of the value), so the same filters work.
-    tags = {"mlflow.traceName": ROOT_SPAN}
+    tags = {"mlflow.traceName": ROOT_NAME}
     for name in ("step", "sample_index", "rollout_n"):
         if key.get(name) is not None:
             tags[name] = str(key[name])

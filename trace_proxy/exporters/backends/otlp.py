@@ -66,7 +66,6 @@ from opentelemetry.trace import Link, SpanKind, Status, StatusCode
 
 from trace_proxy import __version__
 from trace_proxy.exporters.backends.otlp_conventions import (
-    AGENT_NAME,
     RL_VERSION,
     Attributes,
     CallView,
@@ -83,11 +82,12 @@ from trace_proxy.exporters.backends.otlp_conventions import (
     span_attributes_of_tool,
 )
 from trace_proxy.exporters.backends.spans import (
+    ROOT_NAME,
     error_text,
     ns,
     trajectory_spans,
 )
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Exporter, ExportRejected
 from trace_proxy.trajectories.record import Record, StepEvent, Trajectory, dumps
 
 log = logging.getLogger(__name__)
@@ -106,7 +106,7 @@ class OtlpExportError(RuntimeError):
     """The receiver did not accept a request (the pipeline retries the batch)."""
 
 
-class OtlpExporter:
+class OtlpExporter(Exporter):
     name = "otlp"
     request_budget = REQUEST_BUDGET
 
@@ -220,7 +220,7 @@ class OtlpExporter:
 
         attributes = root_attributes(view, conversation, calls)
         root = self._tracer.start_span(
-            f"invoke_agent {AGENT_NAME}",
+            f"invoke_agent {ROOT_NAME}",
             context=Context(),
             kind=SpanKind.INTERNAL,
             attributes=attributes,

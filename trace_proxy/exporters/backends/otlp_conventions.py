@@ -12,6 +12,7 @@ import orjson
 from opentelemetry import trace
 
 from trace_proxy.exporters.backends.spans import (
+    ROOT_NAME,
     Generation,
     Tool,
     TrajectorySpans,
@@ -20,8 +21,6 @@ from trace_proxy.exporters.backends.spans import (
 )
 from trace_proxy.trajectories.record import CallError
 
-AGENT_NAME = "agent_loop"
-PROVIDERS = {"vllm.generate": "vllm", "sglang.generate": "sglang"}
 # key field -> root attribute; the MLflow trace tag is `mlflow.traceTag.<key field>`
 KEY_ATTRIBUTES = {
     "project": "rollout.project",
@@ -71,8 +70,8 @@ class CallView:
         self.call = call
         self.lag = lag  # `Root.lag_of`
         self.conversation = conversation
-        self.operation = "chat" if call.dialect == "openai.chat" else "text_completion"
-        self.provider = PROVIDERS.get(call.dialect or "") or providers.get(call.upstream or "")
+        self.operation = call.declared.operations.gen_ai
+        self.provider = call.declared.provider or providers.get(call.upstream or "")
         self.input_messages: str | None = None
         self.output_messages: str | None = None
         self.tool_definitions: str | None = None
@@ -119,7 +118,7 @@ def providers_of(calls: tuple[Generation, ...]) -> dict[str, str]:
     """Which server each upstream is, as far as a native dialect to it tells."""
     found: dict[str, str] = {}
     for call in calls:
-        provider = PROVIDERS.get(call.dialect or "")
+        provider = call.declared.provider
         if provider is not None and call.upstream is not None:
             found.setdefault(call.upstream, provider)
     return found
@@ -293,7 +292,7 @@ def root_attributes(view: TrajectorySpans, conversation: str, calls: list[CallVi
     t = view.root
     a: Attributes = {
         "gen_ai.operation.name": "invoke_agent",
-        "gen_ai.agent.name": AGENT_NAME,
+        "gen_ai.agent.name": ROOT_NAME,
         "gen_ai.conversation.id": conversation,
     }
     names = {v.provider for v in calls}

@@ -26,6 +26,7 @@ from typing import Any
 import orjson
 
 from trace_proxy.trajectories import versions
+from trace_proxy.trajectories.dialects import Dialect, dialect_named
 from trace_proxy.trajectories.prompts import (
     expand_prompts,
     prompt_texts,
@@ -36,6 +37,8 @@ from trace_proxy.trajectories.record import GenerateCall, Trajectory, ids_list
 
 JSON = dict[str, Any]
 ROOT = "root"
+# The root span's name in every backend: the rollout, named as verl's rollout trace names it.
+ROOT_NAME = "agent_loop"
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +119,11 @@ class Generation:
     prompt_piece: str | None  # token2text's decoding of the stored token ids
     prompt_text: str | None  # the whole prompt decoded, where the pieces spell it out
     parent: str = ROOT
+
+    @property
+    def declared(self) -> Dialect:
+        """Its dialect's declaration: whether it is chat, what each backend names it."""
+        return dialect_named(self.dialect)
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,7 +37,7 @@ step, with the conversation, the execution tree and the metadata (reward, key, t
   `metadata.step = None`. Validation trajectories share the step and carry `validate: true`.
 - Messages, the whole multi-turn conversation: for chat dialects the last call's full messages
   and its response; for token dialects the messages the SFT export gives the same record, read
-  from the decoded text by `trajectories.conversation` with `--tool-parser`: the first prompt's
+  from the decoded text by `text.conversation` with `--tool-parser`: the first prompt's
   turns, each answer with its `tool_calls` named after the tool spans, and every turn a later
   prompt adds (tool results as `role: tool` messages, the user's next question); text in no
   chat template the parser knows is a user message marked `unparsed`. Members without a value
@@ -73,6 +73,7 @@ from typing import Any
 import orjson
 
 from trace_proxy.exporters.backends.spans import (
+    ROOT_NAME,
     Generation,
     Tool,
     TrajectorySpans,
@@ -81,30 +82,23 @@ from trace_proxy.exporters.backends.spans import (
     trajectory_spans,
     utc,
 )
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Exporter, ExportRejected
 from trace_proxy.store.names import store_name
-from trace_proxy.trajectories.conversation import token_messages
+from trace_proxy.text.conversation import token_messages
+from trace_proxy.text.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
 from trace_proxy.trajectories.record import KEY_FIELDS, Annotation, Record, Trajectory, dumps
-from trace_proxy.trajectories.toolparsers import DEFAULT_PARSER, ToolCallParser, get_parser
 
 log = logging.getLogger(__name__)
 
-TRACE_KEY = "rollout_trace/agent_loop"
+TRACE_KEY = f"rollout_trace/{ROOT_NAME}"  # verl's key: `rollout_trace/` and the op's name
 ANNOTATION_KEY = "rollout_trace/annotation"
-ROOT_NAME = "agent_loop"
-OPERATIONS = {
-    "openai.chat": "chat",
-    "openai.completions": "text_completion",
-    "vllm.generate": "generate",
-    "sglang.generate": "generate",
-}
 JSON = dict[str, Any]
 MAX_OPEN_RUNS = 16  # runs open at once, each with a writer thread of its own
 REMEMBERED = 4096  # ids of runs made here (to reopen them), and projects trackio refuses
 Where = tuple[str, str]  # (trackio project, run name)
 
 
-class TrackioExporter:
+class TrackioExporter(Exporter):
     name = "trackio"
 
     def __init__(
@@ -308,7 +302,7 @@ def assistant_message(output: JSON, text: str | None = None) -> JSON:
 
 def token_conversation(data: JSON, view: TrajectorySpans, parser: ToolCallParser) -> list[JSON]:
     """The conversation from decoded text, read as the SFT export reads it
-    (`trajectories.conversation`): every turn each prompt adds, each answer with its tool calls
+    (`text.conversation`): every turn each prompt adds, each answer with its tool calls
     named after the tool spans; a message's empty members left out. Without decoded text: the
     first prompt (or a note that it was not decoded) and the answers as the server gave them."""
     messages = token_messages(data, parser)
@@ -419,7 +413,7 @@ def _generation_span(root_id: str, call: Generation, lag: int | None) -> JSON:
     rendered = [_generation_output(o) for o in call.outputs]
     return {
         "id": f"{root_id}/{call.id}",
-        "name": f"{OPERATIONS.get(dialect, 'generate')} {call.model or ''}".strip(),
+        "name": f"{call.declared.operations.trackio} {call.model or ''}".strip(),
         "kind": "generation",
         "parent_id": root_id,
         **_timed(call.start, call.end),

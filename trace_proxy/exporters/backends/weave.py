@@ -77,7 +77,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from trace_proxy.exporters.backends import spans
-from trace_proxy.exporters.base import ExportRejected
+from trace_proxy.exporters.base import Exporter, ExportRejected
 from trace_proxy.trajectories.record import KEY_FIELDS, Record, Trajectory, dumps
 
 if TYPE_CHECKING:
@@ -101,14 +101,7 @@ from weave.trace.weave_client import WeaveClient
 from weave.trace_server_bindings.remote_http_trace_server import RemoteHTTPTraceServer
 from weave.vendor.weave_server_sdk.types import CallStartResponse
 
-ROOT_OP = "agent_loop"
 TOOL_OP = "execute_tool"
-OPERATIONS = {
-    "openai.chat": "chat",
-    "openai.completions": "completions",
-    "vllm.generate": "generate",
-    "sglang.generate": "generate",
-}
 _IDS = uuid.UUID("6f1c1d1e-3a57-4a0e-9a53-7472616365f0")  # namespace of derived call ids
 REQUEST_BUDGET = 8_000_000  # bytes of calls per calls/complete request (weave's limit: 31 MiB)
 # The fields of a calls/complete item that come from the call's end; all others: its start.
@@ -161,7 +154,7 @@ class _CallCollector(RemoteHTTPTraceServer):
         return complete
 
 
-class WeaveExporter:
+class WeaveExporter(Exporter):
     name = "weave"
     request_budget = REQUEST_BUDGET
 
@@ -275,7 +268,7 @@ class WeaveExporter:
         record_id = str(root.record_id)
         root_id = call_id(record_id, root.id)
         root_call = self._client.create_call(
-            ROOT_OP,
+            spans.ROOT_NAME,
             inputs=root_inputs(root),
             attributes=root_attributes(root),
             display_name=display_name(root),
@@ -286,7 +279,7 @@ class WeaveExporter:
         ids: list[str] = []
         for call in view.calls:
             child_id = call_id(record_id, call.id)
-            op = OPERATIONS.get(str(call.dialect), "generate")
+            op = call.declared.operations.weave
             self._child(
                 root_call,
                 child_id,

@@ -17,6 +17,10 @@ The version read with the gate open is the call's. One window is left: a sync th
 between that read and vLLM receiving the request (the HTTP hop, milliseconds) is not seen;
 verl's own path closes it with an admission counter in its server actor that a client cannot
 join. Servers without a gate (another verl build) are read as always open.
+
+Calls arriving together share a read (`GateReads`): a call joins the next read to start after it
+arrived, never one already under way, so what it gets is as fresh as a read of its own, while a
+worker with hundreds of calls in flight asks each server once per round trip, not once per call.
 """
 
 from __future__ import annotations
@@ -46,12 +50,57 @@ def read_gate(server: Any) -> tuple[bool, bool, Any]:
     return closed, rejecting, server.global_steps
 
 
-async def admit(server: Any) -> Admission:
+class GateReads:
+    """One worker's reads of its servers' gates, shared by the calls that arrive while a read
+    is under way: they wait for the one that starts after it."""
+
+    def __init__(self) -> None:
+        self._next: dict[Any, asyncio.Future[tuple[bool, bool, Any]]] = {}
+        self._reading: dict[Any, asyncio.Task[None]] = {}
+
+    async def read(self, key: Any, server: Any) -> tuple[bool, bool, Any]:
+        waiting = self._next.get(key)
+        if waiting is None:
+            waiting = asyncio.get_running_loop().create_future()
+            waiting.add_done_callback(_retrieved)
+            self._next[key] = waiting
+            if key not in self._reading:
+                self._reading[key] = asyncio.create_task(self._read_while_asked(key, server))
+        return await asyncio.shield(waiting)
+
+    async def _read_while_asked(self, key: Any, server: Any) -> None:
+        try:
+            while (asked := self._next.pop(key, None)) is not None:
+                try:
+                    asked.set_result(await server.__ray_call__.remote(read_gate))
+                except asyncio.CancelledError:
+                    asked.cancel()
+                    raise
+                except BaseException as exc:  # every caller gets what the read raised
+                    asked.set_exception(exc)
+        finally:
+            del self._reading[key]
+            left = self._next.pop(key, None)
+            if left is not None:
+                left.cancel()
+
+
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    """Marks a failed read seen even when every caller waiting for it was cancelled."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def admit(server: Any, reads: GateReads | None = None, key: Any = None) -> Admission:
     """The version of the weights this call is admitted to, as verl's server would give it;
-    waits while the server's gate is closed (a weight sync), as verl's `generate` waits."""
+    waits while the server's gate is closed (a weight sync), as verl's `generate` waits.
+    With `reads`, the read is shared with the calls to the same server (`key`) arriving with it."""
     delay = GATE_POLL_FIRST_S
     while True:
-        closed, rejecting, version = await server.__ray_call__.remote(read_gate)
+        if reads is None:
+            closed, rejecting, version = await server.__ray_call__.remote(read_gate)
+        else:
+            closed, rejecting, version = await reads.read(key, server)
         if not closed or rejecting:
             return Admission(version, rejecting)
         await asyncio.sleep(delay)

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from trace_proxy.integrations.verl.admission import GateReads
 from trace_proxy.integrations.verl.mapping import (
     GenerateResult,
     ServerLimits,
@@ -100,6 +101,7 @@ class ProxyLink:
     _down: dict[str, float] = field(default_factory=dict, repr=False)  # proxy URL -> until
     _refreshing: set[str] = field(default_factory=set, repr=False)
     fallbacks: Counter[str] = field(default_factory=Counter, repr=False)
+    gates: GateReads = field(default_factory=GateReads, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
         """What a worker gets: the addresses, the token and the limits, no live state."""

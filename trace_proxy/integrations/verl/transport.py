@@ -116,7 +116,7 @@ class TracedGenerate:
             if route is None or not link.usable(route):
                 link.fell_back("no_proxy_for_server" if route is None else "proxy_unreachable")
                 return None
-            admitted = await admit(server)
+            admitted = await admit(server, link.gates, server_id)
             if admitted.rejected:  # as verl's server answers behind a rejecting gate
                 return TokenOutput(token_ids=[], log_probs=None, routed_experts=None,
                                    stop_reason="aborted",

@@ -16,16 +16,16 @@ format (each says which of vLLM's parsers and which chat templates it follows):
 
 from __future__ import annotations
 
-from trace_proxy.trajectories.toolparsers.common import (
+from trace_proxy.text.toolparsers.common import (
     ParsedResponse,
     ParsedToolCall,
     ToolCallParser,
     Turn,
     UnparsedToolCall,
 )
-from trace_proxy.trajectories.toolparsers.gpt_oss import GptOssParser
-from trace_proxy.trajectories.toolparsers.hermes import HermesParser
-from trace_proxy.trajectories.toolparsers.qwen3_coder import Qwen3CoderParser
+from trace_proxy.text.toolparsers.gpt_oss import GptOssParser
+from trace_proxy.text.toolparsers.hermes import HermesParser
+from trace_proxy.text.toolparsers.qwen3_coder import Qwen3CoderParser
 
 __all__ = [
     "DEFAULT_PARSER",

@@ -7,7 +7,7 @@ hermes_tool_parser and the published chat templates; the class says where it dif
 
 from __future__ import annotations
 
-from trace_proxy.trajectories.toolparsers.common import (
+from trace_proxy.text.toolparsers.common import (
     NOT_CLOSED,
     TOOL_CALL_END,
     TOOL_CALL_START,

@@ -18,8 +18,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from trace_proxy.text.toolparsers import ParsedResponse, ToolCallParser
 from trace_proxy.trajectories.prompts import expand_prompts, prompt_texts
-from trace_proxy.trajectories.toolparsers import ParsedResponse, ToolCallParser
 
 Message = dict[str, Any]
 

@@ -28,11 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from trace_proxy.trajectories.dialects import dialect_named
 from trace_proxy.trajectories.prompts import common_prefix
 from trace_proxy.trajectories.record import GenerateCall, Trajectory
 
 KINDS = ("prefix", "roundtrip")
-COMPLETIONS = "openai.completions"  # the dialect whose text prompt the server tokenizes as is
 # Tokens decoded before the first difference, so the two texts compared start at one boundary.
 _BACK = 8
 
@@ -191,13 +191,18 @@ def known_prompt_ids(
     full: Sequence[Sequence[int] | None],
     codecs: Sequence[Codec | None],
 ) -> list[Sequence[int] | None]:
-    """The recorded prompt ids; for a completions call whose text prompt came back without
-    them, that text encoded as the server encodes it."""
+    """The recorded prompt ids; for a call whose text prompt came back without them, in a
+    dialect whose server encodes a text prompt as it is (completions), that text encoded as
+    the server encodes it."""
     known = list(full)
     texts: list[str | None] | None = None
     for position, call in enumerate(calls):
         codec = codecs[position]
-        if known[position] is None and codec is not None and call.dialect == COMPLETIONS:
+        if (
+            known[position] is None
+            and codec is not None
+            and dialect_named(call.dialect).encodes_text_prompt
+        ):
             texts = full_prompt_texts(calls) if texts is None else texts
             text = texts[position]
             if text is not None:

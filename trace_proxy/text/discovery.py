@@ -14,8 +14,8 @@ import os
 
 import aiohttp
 
-from trace_proxy.trajectories.drift import codec_for
-from trace_proxy.trajectories.token2text import (
+from trace_proxy.text.drift import codec_for
+from trace_proxy.text.token2text import (
     TokenizerError,
     Tokenizers,
     decoder_for,

@@ -10,7 +10,7 @@ template; the class says where it differs.
 
 from __future__ import annotations
 
-from trace_proxy.trajectories.toolparsers.common import (
+from trace_proxy.text.toolparsers.common import (
     NOT_CLOSED,
     TOOL_CALL_END,
     TOOL_CALL_START,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trace_proxy.trajectories.toolparsers.common import (
+from trace_proxy.text.toolparsers.common import (
     ParsedResponse,
     ParsedToolCall,
     Turn,

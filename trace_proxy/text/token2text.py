@@ -20,11 +20,11 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from trace_proxy.trajectories.drift import Codec, codec_for, mark_drift
+from trace_proxy.text.drift import Codec, codec_for, mark_drift
+from trace_proxy.text.toolparsers import ToolCallParser
+from trace_proxy.text.tools import text_tool_spans
 from trace_proxy.trajectories.prompts import full_token_ids, pieces_text
 from trace_proxy.trajectories.record import Record, Trajectory, ids_list
-from trace_proxy.trajectories.toolparsers import ToolCallParser
-from trace_proxy.trajectories.tools import text_tool_spans
 
 log = logging.getLogger(__name__)
 
