@@ -22,6 +22,7 @@ from trace_proxy.capture.routes import RouteKind, classify
 from trace_proxy.exporters.backends import mlflow_traces, otlp_conventions, trackio
 from trace_proxy.exporters.backends.spans import ROOT_NAME, trajectory_spans
 from trace_proxy.replay.requests import NotReplayable, ReplayCall, replay_calls
+from trace_proxy.text.drift import codec_for, known_prompt_ids
 from trace_proxy.trajectories import dialects
 from trace_proxy.trajectories.dialects import (
     BY_NAME,
@@ -31,7 +32,6 @@ from trace_proxy.trajectories.dialects import (
     Operations,
     dialect_named,
 )
-from trace_proxy.trajectories.drift import codec_for, known_prompt_ids
 from trace_proxy.trajectories.record import (
     GenerateCall,
     Output,
