@@ -1,6 +1,7 @@
 """Shared fixtures: the real Qwen tokenizer (loaded once), the fake inference servers, and the
 real servers of tests/real launched before the first test. The session's environment is cleared
-of the machine's settings first (isolation.py)."""
+of the machine's settings first (support/isolation.py). The container's and the real servers'
+tests run first, the tests of each part of the package after them."""
 
 from __future__ import annotations
 
@@ -8,20 +9,36 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
-import isolation  # first: before any library reads the environment
 import pytest
+import support.isolation as isolation  # first: before any library reads the environment
 from aiohttp import web
 from fakes import FakeSGLang, FakeVLLM, StartFake
 from real.hostile import HOSTILE_RUN, is_hostile_test
-from real.servers import RealServers, real_servers
+from real.servers import REAL_TESTS_DIR, RealServers, real_servers
 from real.verl_run import CLUSTER_RUN, FULLY_ASYNC_RUN, VERL_RUN, is_fully_async_test
 
 from trace_proxy.demo.tokenizer import load_qwen_tokenizer
+
+CONTAINER_TESTS_DIR = Path(__file__).resolve().parent / "container"
 
 
 def pytest_report_header() -> str:
     cleared = ", ".join(isolation.CLEARED) or "nothing"
     return f"environment: cleared of the machine's settings ({cleared}); loopback never proxied"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The container's tests first (the real servers start beside them), then the real servers'
+    tests, then every other: verl's run starts once no other test uses the real vLLM server
+    (real/verl_run.py, whose ordering runs after this) and goes on beside the tests that follow.
+    """
+
+    def group(item: pytest.Item) -> int:
+        parents = item.path.resolve().parents
+        return 0 if CONTAINER_TESTS_DIR in parents else 1 if REAL_TESTS_DIR in parents else 2
+
+    items.sort(key=group)  # stable: each group in collection order
 
 
 @pytest.fixture(scope="session")

@@ -30,7 +30,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 from prometheus_client.parser import text_string_to_metric_families
-from proxy_helpers import (
+from support.proxies import (
     children,
     closed_port,
     metric,
@@ -387,7 +387,7 @@ async def test_a_helper_killed_under_load_is_replaced_and_its_records_reconcile(
     takes over and records what comes after. The export process holds nothing of its own (the
     spool does): every call is stored exactly once. The capture process holds what it has not
     spooled yet: each call is stored exactly once or counted as lost, never both."""
-    from test_lifecycle import start_serve
+    from support.serve import start_serve
 
     rng = random.Random(f"{victim}-18")
     before, during, after = 100, 100, 40
@@ -476,7 +476,7 @@ async def test_the_proxy_killed_under_load_then_restarted_stores_each_call_at_mo
     then a new proxy on the same store. Its helpers record everything they were handed; what
     was answered in the killed process's last turn of its event loop, not yet handed over, is
     lost with the process that would have counted it: at most what was in flight."""
-    from test_lifecycle import start_serve, until_gone
+    from support.serve import start_serve, until_gone
 
     concurrency, total_calls = 16, 200
     kill_after = random.Random("proxy-18").randrange(40, 160)

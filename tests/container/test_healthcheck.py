@@ -10,7 +10,7 @@ from types import ModuleType
 import pytest
 from aiohttp import web
 from fakes import FakeVLLM
-from proxy_helpers import closed_port, running_proxy, scripted_upstream
+from support.proxies import closed_port, running_proxy, scripted_upstream
 
 SCRIPT = Path(__file__).resolve().parents[2] / "docker" / "healthcheck.py"
 

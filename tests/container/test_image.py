@@ -19,7 +19,7 @@ import pytest
 from fakes import FakeVLLM, StartFake
 from openai import AsyncOpenAI, AsyncStream
 from openai.types.chat import ChatCompletionChunk
-from proxy_helpers import closed_port, trajectories
+from support.proxies import closed_port, trajectories
 
 from trace_proxy.demo.run import rollout
 

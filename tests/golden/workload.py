@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 import orjson
 from fakes import FakeSGLang, FakeVLLM
-from proxy_helpers import running_proxy
+from support.proxies import running_proxy
 
 EXPERIMENT = "golden"
 MODEL = "tiny-qwen"

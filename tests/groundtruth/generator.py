@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from proxy_helpers import running_proxy, trajectories
+from support.proxies import running_proxy, trajectories
 
 from groundtruth.agents import (
     MAX_TOKENS,

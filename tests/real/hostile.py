@@ -25,12 +25,13 @@ STOP_GRACE_S = 10.0
 TESTS = REAL_TESTS_DIR.parent
 UNREACHABLE = "http://127.0.0.1:9"
 ONE_OF_EACH_KIND = [
-    "tests/test_lifecycle.py::test_sigterm_drains_in_flight_streams_then_flushes",  # the proxy
+    # the proxy
+    "tests/processes/test_lifecycle.py::test_sigterm_drains_in_flight_streams_then_flushes",
     "tests/test_golden.py::test_each_backend_renders_them_as_before",
-    "tests/test_export_otlp.py::test_the_same_spans_arrive_over_otlp_http_with_the_configured_headers",
-    "tests/test_export_mlflow.py::test_http_path_exports_recorded_trajectories_over_otlp",
-    "tests/test_export_trackio.py::test_chat_tool_rollout_is_one_trace_with_the_whole_conversation",
-    "tests/test_export_weave.py::test_chat_tool_rollout_is_one_call_tree",
+    "tests/exporters/test_otlp.py::test_the_same_spans_arrive_over_otlp_http_with_the_configured_headers",
+    "tests/exporters/test_mlflow.py::test_http_path_exports_recorded_trajectories_over_otlp",
+    "tests/exporters/test_trackio.py::test_chat_tool_rollout_is_one_trace_with_the_whole_conversation",
+    "tests/exporters/test_weave.py::test_chat_tool_rollout_is_one_call_tree",
     "tests/real/test_real_through_proxy.py::test_vllm_passthrough_and_record[chat-plain]",
     "tests/real/test_framework_clients.py::test_a_framework_client_through_the_proxy[openai]",
     "tests/real/test_verl_settings.py::test_verls_composed_config_decodes_unless_the_user_said_no",

@@ -39,7 +39,7 @@ STOP_TIMEOUT_S = 30.0
 HEALTH_POLL_S = 0.5
 LOG_TAIL_LINES = 60
 VLLM_MODEL_NAME = "tiny-qwen"
-# Set only by a test for the pytest session it starts; isolation.py keeps it (a suite switch).
+# Set only by a test for the pytest session it starts; support/isolation.py keeps it.
 HANDED_OVER_ENV = "TRACE_PROXY_TEST_HANDED_OVER"
 
 

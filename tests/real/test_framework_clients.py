@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from proxy_helpers import HeldLoader, release_as_stop_begins, running_proxy, trajectories
+from support.proxies import HeldLoader, release_as_stop_begins, running_proxy, trajectories
 
 from trace_proxy.config import Settings
 from trace_proxy.processes import text_path

@@ -1,8 +1,8 @@
 """One test of each kind, run by a pytest of its own in an environment a user's machine may
 well have: a Ray cluster's address, an MLflow server, a collector and its settings, W&B, a Hugging
 Face hub, an HTTP proxy that loopback is not exempt from, and trace-proxy's own options. Each
-kind passes all the same: the suite never reads the machine's settings (isolation.py) and never
-joins a service it did not start.
+kind passes all the same: the suite never reads the machine's settings (support/isolation.py)
+and never joins a service it did not start.
 
 Its session (hostile.py) is handed the session's vLLM server rather than starting another: it
 starts once verl's runs, which compare what that server gives with no other traffic, have exited,

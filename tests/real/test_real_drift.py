@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from openai import AsyncOpenAI
-from proxy_helpers import running_proxy, trajectories
+from support.proxies import running_proxy, trajectories
 
 from trace_proxy.text.drift import codec_for
 from trace_proxy.text.token2text import load_tokenizer

@@ -17,7 +17,7 @@ import httpx
 import orjson
 import pytest
 from openai import AsyncOpenAI
-from proxy_helpers import running_proxy, trajectories
+from support.proxies import running_proxy, trajectories
 
 from trace_proxy.trajectories.prompts import expand_prompts
 

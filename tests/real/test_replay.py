@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 import orjson
 from aiohttp.test_utils import TestClient, TestServer
-from proxy_helpers import running_proxy, trajectories
+from support.proxies import running_proxy, trajectories
 
 from trace_proxy.cli import main
 from trace_proxy.ui.index import StoreIndex
