@@ -10,8 +10,10 @@ aborted request again with the tokens it has (partial rollout) and keeps the old
 metrics. This runs exactly that with verl's own manager, client, load balancer, TransferQueue
 and metric functions; the weight sync is the server actor's abort, `set_global_steps` and
 resume (no weights change: the same model generates, so greedy decoding gives the same tokens
-on every run). Syncs happen when vLLM's own metrics show every rollout inside the engine, so
-the schedule is the same on every run:
+on every run). Each batch's rollouts wait at the server's closed gate until verl's load
+balancer counts them all in flight, and start together when it opens; syncs happen when
+vLLM's own metrics show every rollout inside the engine, so the schedule is the same on every
+run:
 
   version 0: batch A (2 prompts x n=2); once its 4 rollouts run and each has tokens:
   sync to 1: batch A aborted mid-generation; batch B sent (4 rollouts);
@@ -165,14 +167,29 @@ def wait_finished(uids: list[str]) -> None:
         time.sleep(0.2)
 
 
-def schedule(manager: Any, server: Any, vllm_url: str) -> list[str]:
+def admitted_together(server: Any, balancer: Any, rollouts: int, version: int) -> None:
+    """The gate, closed while a batch is sent, opened on `version` once verl's load balancer
+    counts every rollout in flight (each waiting at the gate): they then start together, so
+    none can run to its end before the last one starts, however slowly a busy machine hands
+    them over."""
+    deadline = time.monotonic() + WAIT_S
+    while (inflight := ray.get(balancer.get_total_inflight.remote())) != rollouts:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{inflight} rollouts in flight, not {rollouts}")
+        time.sleep(POLL_S)
+    open_gate(server, version)
+
+
+def schedule(manager: Any, server: Any, balancer: Any, vllm_url: str) -> list[str]:
     """The run above; returns the prompts' uids in batch order."""
     vllm = VllmMetrics(vllm_url)
-    ray.get(server.set_global_steps.remote(0))
+    close_gate(server)
     uids = dispatch(manager, "A")
+    admitted_together(server, balancer, len(uids) * N, 0)
     generating(vllm, len(uids) * N)
-    sync(server, 1)
+    close_gate(server)  # the sync to 1, its gate open once B's rollouts wait beside A's
     uids += dispatch(manager, "B")
+    admitted_together(server, balancer, len(uids) * N, 1)
     generating(vllm, len(uids) * N)
     sync(server, 2)
     wait_finished(uids)
@@ -242,8 +259,10 @@ def partial_stats(config: Any, data: Any, tags: list[dict[str, Any]]) -> dict[st
     return found
 
 
-def run(manager: Any, server: Any, config: Any, vllm_url: str, work: Path, mode: str) -> None:
-    uids = schedule(manager, server, vllm_url)
+def run(
+    manager: Any, server: Any, balancer: Any, config: Any, vllm_url: str, work: Path, mode: str
+) -> None:
+    uids = schedule(manager, server, balancer, vllm_url)
     keys, tags, data = rollouts(uids)
     result = {
         "uids": [key.rsplit("_", 2)[0] for key in keys],

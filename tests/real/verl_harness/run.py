@@ -234,6 +234,7 @@ class Built:
     manager: Any
     server: Any
     config: Any = None
+    balancer: Any = None
 
 
 @dataclass
@@ -295,7 +296,7 @@ def build(mode: str, serving: Serving, model_dir: str, work: Path, reward_worker
         teacher_client=None,
         reward_loop_worker_handles=reward_workers,
     )
-    return Built(mode, manager, serving.server, config)
+    return Built(mode, manager, serving.server, config, serving.balancer)
 
 
 def _server_calls(server: Any) -> int:
@@ -316,7 +317,7 @@ def run(built: Built, work: Path, vllm_url: str) -> None:
     if built.mode.startswith("async"):
         from verl_harness import partial
 
-        partial.run(manager, server, built.config, vllm_url, work, built.mode)
+        partial.run(manager, server, built.balancer, built.config, vllm_url, work, built.mode)
         return
     results: dict[str, Any] = {}
     calls_before = _server_calls(server)
