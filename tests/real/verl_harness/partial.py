@@ -10,7 +10,7 @@ aborted request again with the tokens it has (partial rollout) and keeps the old
 metrics. This runs exactly that with verl's own manager, client, load balancer, TransferQueue
 and metric functions; the weight sync is the server actor's abort, `set_global_steps` and
 resume (no weights change: the same model generates, so greedy decoding gives the same tokens
-on every run). Each batch's rollouts wait at the server's closed gate until verl's load
+on every run). Batch A's rollouts wait at the server's closed gate until verl's load
 balancer counts them all in flight, and start together when it opens; syncs happen when
 vLLM's own metrics show every rollout inside the engine, so the schedule is the same on every
 run:
@@ -168,10 +168,11 @@ def wait_finished(uids: list[str]) -> None:
 
 
 def admitted_together(server: Any, balancer: Any, rollouts: int, version: int) -> None:
-    """The gate, closed while a batch is sent, opened on `version` once verl's load balancer
-    counts every rollout in flight (each waiting at the gate): they then start together, so
-    none can run to its end before the last one starts, however slowly a busy machine hands
-    them over."""
+    """The gate, closed while the first batch is sent, opened on `version` once verl's load
+    balancer counts every rollout in flight (each waiting at the gate): they then start
+    together, so none can run to its end before the last one starts, however slowly a busy
+    machine hands them over. (After a sync the count still holds the aborted attempts until
+    their answers come back, so it cannot say the same of a later batch.)"""
     deadline = time.monotonic() + WAIT_S
     while (inflight := ray.get(balancer.get_total_inflight.remote())) != rollouts:
         if time.monotonic() > deadline:
@@ -187,9 +188,8 @@ def schedule(manager: Any, server: Any, balancer: Any, vllm_url: str) -> list[st
     uids = dispatch(manager, "A")
     admitted_together(server, balancer, len(uids) * N, 0)
     generating(vllm, len(uids) * N)
-    close_gate(server)  # the sync to 1, its gate open once B's rollouts wait beside A's
+    sync(server, 1)
     uids += dispatch(manager, "B")
-    admitted_together(server, balancer, len(uids) * N, 1)
     generating(vllm, len(uids) * N)
     sync(server, 2)
     wait_finished(uids)
