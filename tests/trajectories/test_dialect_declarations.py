@@ -10,12 +10,15 @@ import asyncio
 import dataclasses
 import os
 from collections.abc import Mapping
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import orjson
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from trace_proxy.capture import dialects as capture_dialects
 from trace_proxy.capture.dialects import DIALECTS, PARSERS, PROMPT_IDS
 from trace_proxy.capture.exchange import Exchange
 from trace_proxy.capture.routes import RouteKind, classify
@@ -98,6 +101,30 @@ def test_every_route_capture_parses_is_a_declared_dialect_with_every_piece() -> 
         assert all(isinstance(n, str) and n for n in dataclasses.astuple(dialect.operations))
         assert callable(dialect.request)
     assert set(EXAMPLES) == set(BY_NAME), "every declared dialect has an example here"
+
+
+def test_every_parser_module_is_found_and_a_stray_one_stops_the_import() -> None:
+    """A new dialect's parser needs no list: each module of the package is found, and one that
+    names no declared dialect, or a dialect that already has a parser, is refused by name."""
+    package = Path(capture_dialects.__file__).parent
+    modules = {p.stem for p in package.glob("*.py")} - {"__init__", "common"}
+    assert {parse.__module__.rsplit(".", 1)[1] for parse in PARSERS.values()} == modules
+
+    def module(name: str, dialect: object) -> ModuleType:
+        made = ModuleType(f"trace_proxy.capture.dialects.{name}")
+        vars(made).update(DIALECT=dialect, parse=PARSERS[dialects.OPENAI_CHAT])
+        return made
+
+    found = capture_dialects._parsers(
+        [module("b", dialects.SGLANG_GENERATE), module("a", dialects.OPENAI_CHAT)]
+    )
+    assert list(found) == [dialects.OPENAI_CHAT, dialects.SGLANG_GENERATE]  # declarations' order
+    undeclared = dataclasses.replace(dialects.OPENAI_CHAT, name="lab.chat")
+    with pytest.raises(ImportError, match=r"dialects\.lab must name a declared DIALECT"):
+        capture_dialects._parsers([module("lab", undeclared)])
+    twice = [module("one", dialects.OPENAI_CHAT), module("two", dialects.OPENAI_CHAT)]
+    with pytest.raises(ImportError, match=r"dialects\.two: openai\.chat already has a parser"):
+        capture_dialects._parsers(twice)
 
 
 def exchange_of(route: str, request: Json, response: Json) -> Exchange:

@@ -4,7 +4,7 @@ backends call it, and how a recorded call is sent again.
 
 Capture parses a dialect's responses in `capture/dialects/<module>.py`, which names its
 declaration here; replay, drift and every backend read only this table. Adding a dialect is a
-declaration in `DECLARED` and a parser module in `capture/dialects/` (one line there lists it);
+declaration in `DECLARED` and a parser module in `capture/dialects/` (found there, not listed);
 `tests/trajectories/test_dialect_declarations.py` fails when any piece is missing.
 """
 
