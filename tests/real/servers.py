@@ -100,6 +100,8 @@ def _launch_vllm(provisioned: Provisioned, work_dir: Path) -> _Launched:
         "--model", str(provisioned.model_dir), "--served-model-name", VLLM_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "2048", "--dtype", "float32", "--enforce-eager", "--enable-scale-out",
+        # `/load`: requests inside the server, counted while its engine is frozen too.
+        "--enable-server-load-tracking",
         # Makes the random model call verl's test tool when offered it; no other prompt changes.
         "--logits-processors", "verl_harness.scripted_tool_call:ScriptedToolCall",
     ]  # fmt: skip

@@ -10,14 +10,17 @@ aborted request again with the tokens it has (partial rollout) and keeps the old
 metrics. This runs exactly that with verl's own manager, client, load balancer, TransferQueue
 and metric functions; the weight sync is the server actor's abort, `set_global_steps` and
 resume (no weights change: the same model generates, so greedy decoding gives the same tokens
-on every run). Batch A's rollouts wait at the server's closed gate until verl's load
-balancer counts them all in flight, and start together when it opens; syncs happen when
-vLLM's own metrics show every rollout inside the engine, so the schedule is the same on every
-run:
+on every run). No rollout's progress depends on how fast verl hands a batch over: each batch
+waits at the server's closed gate, the gate opens on an engine frozen with vLLM's own
+`/pause?mode=keep`, and vLLM resumes once its `/load` counts every rollout's request inside
+it, so they all start together; each sync happens when vLLM's own metrics show every rollout
+running with tokens. The schedule is the same on every run:
 
-  version 0: batch A (2 prompts x n=2); once its 4 rollouts run and each has tokens:
-  sync to 1: batch A aborted mid-generation; batch B sent (4 rollouts);
-             once all 8 run in the engine and each has tokens:
+  version 0: batch A (2 prompts x n=2) started together; once each of its 4 rollouts has
+             tokens:
+  sync to 1: batch A aborted mid-generation; batch B (4 rollouts) sent while the gate is
+             closed; the 4 resumed and the 4 new started together on version 1; once each of
+             the 8 has tokens:
   sync to 2: all 8 aborted mid-generation; all finish on version 2; then batch C, on 2.
 
 Each rollout generates `response_length` tokens (`ignore_eos`), so none ends before a sync
@@ -63,9 +66,11 @@ def overrides() -> list[str]:
 
 
 class VllmMetrics:
-    """vLLM's own Prometheus counts: requests waiting and running, tokens generated."""
+    """vLLM's own counts: requests running and tokens generated (Prometheus), requests inside
+    its HTTP server (`/load`, which counts while the engine is frozen too)."""
 
     def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
         self.url = base_url + "/metrics"
 
     def read(self) -> dict[str, float]:
@@ -95,6 +100,23 @@ class VllmMetrics:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"vLLM never had {what}: {counts}")
             time.sleep(POLL_S)
+
+    def wait_load(self, what: str, requests: int) -> None:
+        """Until vLLM's HTTP server holds exactly `requests` generate requests (`/load`)."""
+        deadline = time.monotonic() + WAIT_S
+        while (load := self.load()) != requests:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM never had {what}: {load} requests, not {requests}")
+            time.sleep(POLL_S)
+
+    def load(self) -> int:
+        with urllib.request.urlopen(self.base_url + "/load", timeout=30) as response:
+            return int(json.loads(response.read())["server_load"])
+
+    def resume(self) -> None:
+        request = urllib.request.Request(self.base_url + "/resume", method="POST")
+        with urllib.request.urlopen(request, timeout=30) as response:
+            response.read()
 
 
 def dispatch(manager: Any, name: str) -> list[str]:
@@ -167,29 +189,27 @@ def wait_finished(uids: list[str]) -> None:
         time.sleep(0.2)
 
 
-def admitted_together(server: Any, balancer: Any, rollouts: int, version: int) -> None:
-    """The gate, closed while the first batch is sent, opened on `version` once verl's load
-    balancer counts every rollout in flight (each waiting at the gate): they then start
-    together, so none can run to its end before the last one starts, however slowly a busy
-    machine hands them over. (After a sync the count still holds the aborted attempts until
-    their answers come back, so it cannot say the same of a later batch.)"""
-    deadline = time.monotonic() + WAIT_S
-    while (inflight := ray.get(balancer.get_total_inflight.remote())) != rollouts:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{inflight} rollouts in flight, not {rollouts}")
-        time.sleep(POLL_S)
-    open_gate(server, version)
+def started_together(server: Any, vllm: VllmMetrics, rollouts: int, version: int) -> None:
+    """The closed gate opened on `version` with the engine frozen, and the engine resumed once
+    every rollout's request is inside vLLM: none can run to its end before the last one
+    starts, however slowly a busy machine hands them over."""
+    ray.get(server.set_global_steps.remote(version))
+    ray.get(server.resume_generation_held.remote())
+    vllm.wait_load("every rollout's request", rollouts)
+    vllm.resume()
 
 
-def schedule(manager: Any, server: Any, balancer: Any, vllm_url: str) -> list[str]:
+def schedule(manager: Any, server: Any, vllm_url: str) -> list[str]:
     """The run above; returns the prompts' uids in batch order."""
     vllm = VllmMetrics(vllm_url)
     close_gate(server)
     uids = dispatch(manager, "A")
-    admitted_together(server, balancer, len(uids) * N, 0)
+    started_together(server, vllm, len(uids) * N, 0)
     generating(vllm, len(uids) * N)
-    sync(server, 1)
+    close_gate(server)  # the sync to 1, whose aborted answers all leave vLLM before B starts
+    vllm.wait_load("every aborted request answered", 0)
     uids += dispatch(manager, "B")
+    started_together(server, vllm, len(uids) * N, 1)
     generating(vllm, len(uids) * N)
     sync(server, 2)
     wait_finished(uids)
@@ -259,10 +279,8 @@ def partial_stats(config: Any, data: Any, tags: list[dict[str, Any]]) -> dict[st
     return found
 
 
-def run(
-    manager: Any, server: Any, balancer: Any, config: Any, vllm_url: str, work: Path, mode: str
-) -> None:
-    uids = schedule(manager, server, balancer, vllm_url)
+def run(manager: Any, server: Any, config: Any, vllm_url: str, work: Path, mode: str) -> None:
+    uids = schedule(manager, server, vllm_url)
     keys, tags, data = rollouts(uids)
     result = {
         "uids": [key.rsplit("_", 2)[0] for key in keys],

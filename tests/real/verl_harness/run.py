@@ -317,7 +317,7 @@ def run(built: Built, work: Path, vllm_url: str) -> None:
     if built.mode.startswith("async"):
         from verl_harness import partial
 
-        partial.run(manager, server, built.balancer, built.config, vllm_url, work, built.mode)
+        partial.run(manager, server, built.config, vllm_url, work, built.mode)
         return
     results: dict[str, Any] = {}
     calls_before = _server_calls(server)

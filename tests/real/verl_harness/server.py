@@ -56,6 +56,16 @@ class VerlServerStandIn:
         self._submission_paused = False
         self._resume_event.set()
 
+    async def resume_generation_held(self) -> None:
+        """`resume_generation` with the engine left frozen (vLLM's `/pause?mode=keep`) before
+        the gate opens: the calls let in wait inside vLLM, where nothing generates until the
+        harness posts `/resume`. verl has no such call; it starts a batch together."""
+        await self._post("/resume")
+        await self._post("/pause?mode=keep")
+        self._rejecting = False
+        self._submission_paused = False
+        self._resume_event.set()
+
     async def _post(self, path: str) -> None:
         async with (
             aiohttp.ClientSession() as session,
