@@ -14,7 +14,8 @@ on every run). No rollout's progress depends on how fast verl hands a batch over
 waits at the server's closed gate, the gate opens on an engine frozen with vLLM's own
 `/pause?mode=keep`, and vLLM resumes once its `/load` counts every rollout's request inside
 it, so they all start together; each sync happens when vLLM's own metrics show every rollout
-running with tokens. The schedule is the same on every run:
+running with tokens, and the engine is frozen at that moment, before verl's abort reaches it.
+The schedule is the same on every run:
 
   version 0: batch A (2 prompts x n=2) started together; once each of its 4 rollouts has
              tokens:
@@ -113,8 +114,8 @@ class VllmMetrics:
         with urllib.request.urlopen(self.base_url + "/load", timeout=30) as response:
             return int(json.loads(response.read())["server_load"])
 
-    def resume(self) -> None:
-        request = urllib.request.Request(self.base_url + "/resume", method="POST")
+    def post(self, path: str) -> None:
+        request = urllib.request.Request(self.base_url + path, method="POST")
         with urllib.request.urlopen(request, timeout=30) as response:
             response.read()
 
@@ -147,15 +148,19 @@ def dispatch(manager: Any, name: str) -> list[str]:
     return uids
 
 
-def generating(vllm: VllmMetrics, rollouts: int) -> None:
+def generating_then_frozen(vllm: VllmMetrics, rollouts: int) -> None:
     """Every rollout in the engine, each with two tokens at least (vLLM schedules them all
-    together, one token each per step), none ended."""
+    together, one token each per step), none ended; then the engine frozen at once, so the
+    sync that follows aborts them where they are, however long a busy machine takes to carry
+    verl's abort to the server."""
     done = vllm.read()["completed"]
     running = vllm.wait_for(
         "every rollout running", lambda c: c["num_requests_running"] == rollouts, done
     )
     floor = running["generation_tokens_total"] + 2 * rollouts
     vllm.wait_for("tokens generated", lambda c: c["generation_tokens_total"] >= floor, done)
+    vllm.post("/pause?mode=keep")
+    vllm.wait_for("the engine froze", lambda c: True, done)
 
 
 def sync(server: Any, version: int) -> None:
@@ -196,7 +201,7 @@ def started_together(server: Any, vllm: VllmMetrics, rollouts: int, version: int
     ray.get(server.set_global_steps.remote(version))
     ray.get(server.resume_generation_held.remote())
     vllm.wait_load("every rollout's request", rollouts)
-    vllm.resume()
+    vllm.post("/resume")
 
 
 def schedule(manager: Any, server: Any, vllm_url: str) -> list[str]:
@@ -205,12 +210,12 @@ def schedule(manager: Any, server: Any, vllm_url: str) -> list[str]:
     close_gate(server)
     uids = dispatch(manager, "A")
     started_together(server, vllm, len(uids) * N, 0)
-    generating(vllm, len(uids) * N)
+    generating_then_frozen(vllm, len(uids) * N)
     close_gate(server)  # the sync to 1, whose aborted answers all leave vLLM before B starts
     vllm.wait_load("every aborted request answered", 0)
     uids += dispatch(manager, "B")
     started_together(server, vllm, len(uids) * N, 1)
-    generating(vllm, len(uids) * N)
+    generating_then_frozen(vllm, len(uids) * N)
     sync(server, 2)
     wait_finished(uids)
     more = dispatch(manager, "C")
