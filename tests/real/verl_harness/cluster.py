@@ -127,7 +127,10 @@ def cluster_config(model_dir: str, work: Path, traces: str) -> Any:
     OmegaConf.set_struct(config, False)
     config.actor_rollout_ref.rollout.agent.num_workers = 2  # divides the batch, as verl needs
     config.trainer.experiment_name = "cluster"
+    # Token ids only: decoding is run.py's to show, and here each of the six proxies would
+    # load the tokenizer twice, which in verl's venv imports torch (seconds and memory each).
     config.trace_proxy = {"output": str(work / traces), "max_samples_per_step": KEEP,
+                          "token2text": False,
                           "args": ["--shutdown-grace", str(PROXY_GRACE)]}  # fmt: skip
     return config
 

@@ -50,7 +50,7 @@ EXPERIMENT = "cpu-partial-rollout"
 PROMPTS = {"A": ["Say hi", "Count to three"], "B": ["Name a colour", "Spell cat"],
            "C": ["Say bye", "Name a fruit"]}  # fmt: skip
 N = 2
-RESPONSE_LENGTH = 1024  # a rollout outlasts the poll that syncs it, on a busy machine
+RESPONSE_LENGTH = 512  # a rollout outlasts the poll that freezes it, on a busy machine
 TRAINER_STEP = 3  # the trainer step whose metrics are computed over the three batches
 POLL_S = 0.01
 WAIT_S = 300.0
