@@ -20,6 +20,7 @@ from real.verl_run import CLUSTER_RUN, FULLY_ASYNC_RUN, VERL_RUN, is_fully_async
 from trace_proxy.demo.tokenizer import load_qwen_tokenizer
 
 CONTAINER_TESTS_DIR = Path(__file__).resolve().parent / "container"
+pytest_plugins = ["support.lane"]  # a second lane for the whole suite
 
 
 def pytest_report_header() -> str:

@@ -25,6 +25,7 @@ SUITE_SWITCHES = frozenset({
     "TRACE_PROXY_GOLDEN", "TRACE_PROXY_TEST_CACHE", "TRACE_PROXY_TORCH_INDEX_URL",
     "TRACE_PROXY_SKIP_REAL", "TRACE_PROXY_SKIP_CONTAINER", "TRACE_PROXY_REAL_STARTUP_TIMEOUT",
     "TRACE_PROXY_REQUIRE_BROWSER", "TRACE_PROXY_TEST_ARTIFACTS", "TRACE_PROXY_BENCH_CACHE",
+    "TRACE_PROXY_TEST_ONE_LANE",  # support/lane.py
     "TRACE_PROXY_TEST_HANDED_OVER",  # taken only from this session's parent (real/servers.py)
 })  # fmt: skip
 # The verl cluster's nodes listen on 127.0.0.1-3 (tests/real/verl_harness/cluster.py).
