@@ -33,6 +33,8 @@ except ImportError:  # Python 3.10
     import tomli as tomllib
 from typing import Any
 
+from verl_harness import PLUGIN_MANAGER, reward
+
 PROMPTS = ["Say hi", "Count to three", "Name a colour", "Say bye", "Name a fruit", "Say yes"]
 N = 2
 REQUIRED_SAMPLES = 2  # ppo_mini_batch_size x require_batches
@@ -103,14 +105,11 @@ def compose_config(model_dir: str, work: Path, data: Path, plugin: bool) -> Any:
         "trainer.total_epochs=1",
         "trainer.resume_mode=disable",
         "trainer.device=cpu",
-        f"reward.custom_reward_function.path={Path(__file__).with_name('reward.py')}",
-        "reward.custom_reward_function.name=compute_score",
-        "reward.num_workers=1",
+        *reward.OVERRIDES,
     ]
     if plugin:
         overrides += [
-            "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
-            "trace_proxy.integrations.verl.AgentLoopManager",
+            PLUGIN_MANAGER,
             f"+trace_proxy.output={work / 'traces'}",
             "+trace_proxy.max_samples_per_step=2",
         ]

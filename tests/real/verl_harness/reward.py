@@ -3,7 +3,15 @@ of the response text, so the test can check that the reward verl computed is the
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
+
+# verl's overrides that make this its reward function, with the one reward worker a CPU holds.
+OVERRIDES = (
+    f"reward.custom_reward_function.path={Path(__file__)}",
+    "reward.custom_reward_function.name=compute_score",
+    "reward.num_workers=1",
+)
 
 
 def compute_score(

@@ -40,6 +40,7 @@ import ray
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
+from verl_harness import PLUGIN_MANAGER, reward
 
 PROMPTS = ["Say hi", "Count to three", "Name a colour"]
 TOOL_PROMPT = "How many words are in 'one two three'? Use the word_count tool."
@@ -85,15 +86,10 @@ def compose_config(
         f"trainer.use_v1={'true' if v1 else 'false'}",
         "transfer_queue.enable=true",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1",
-        f"reward.custom_reward_function.path={Path(__file__).with_name('reward.py')}",
-        "reward.custom_reward_function.name=compute_score",
-        "reward.num_workers=1",
+        *reward.OVERRIDES,
     ]
     if plugin:
-        overrides += [
-            "+actor_rollout_ref.rollout.agent.agent_loop_manager_class="
-            "trace_proxy.integrations.verl.AgentLoopManager",
-        ]
+        overrides += [PLUGIN_MANAGER]
         if sidecar is None:
             overrides += [f"+trace_proxy.output={work / 'traces'}"]
         else:
